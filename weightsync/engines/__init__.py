@@ -1,0 +1,10 @@
+"""Engine adapters. ``VLLMEngine`` wraps an in-process ``vllm.LLM``; another engine is one
+:class:`Engine` subclass decorated with :func:`register`.
+
+Importing this package does not import vLLM: the adapter imports it when it is constructed.
+"""
+
+from .base import Engine, adapt, register
+from .vllm import VLLMEngine
+
+__all__ = ["Engine", "VLLMEngine", "adapt", "register"]

@@ -1,0 +1,242 @@
+"""Adapter for an in-process ``vllm.LLM`` (the engine a colocated trainer already created).
+
+Why these engine calls and not others (see also ``docs/engines.md``):
+
+- Weights go through ``collective_rpc("reload_weights", weights_iterator=...)``. That path takes
+  checkpoint names (unfused q/k/v, gate/up), loads them layer by layer and re-runs the engine's
+  post-load processing. A raw ``model.load_weights`` does not: it corrupts weights that processing
+  reshaped (vllm#42821, #17429) and on the CPU backend fails outright, because the repacked linear
+  parameters have shape ``(0,)``.
+- The iterator is passed by reference, so this adapter needs the engine core in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the ``LLM`` is created).
+- vLLM 0.32 loads adapters only from a folder. The adapter is written to tmpfs and added with
+  ``load_inplace=True`` under one stable id: re-adding a loaded id without it keeps the old one.
+- ``reload_weights`` resets vLLM's LoRA state, and a request carrying a ``LoRARequest`` reloads the
+  adapter from its folder on demand. So after a base write this adapter removes the folder until
+  the next adapter load: a stale request fails loudly instead of applying an old adapter on top of
+  merged weights (LoRA counted twice, ms-swift#8233).
+- The prefix cache is reset after every write, or prompts cached under old weights are answered
+  from old KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import AdapterError
+from ..stream import Adapter
+from .base import Bucket, Engine, register
+
+
+def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {folder!r}, so the weights this engine loads are unknown "
+            "and a sync could not be checked before writing. Pass checkpoint=<folder with the "
+            "model's safetensors> to VLLMEngine."
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                shapes[key] = tuple(h.get_slice(key).get_shape())
+    return shapes
+
+
+@register
+class VLLMEngine(Engine):
+    """An in-process ``vllm.LLM`` as a weightsync engine.
+
+    Args:
+        llm: the ``vllm.LLM`` the trainer created, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+        checkpoint: folder of the checkpoint the engine was started from; defaults to the
+            engine's model path. Its safetensors headers say which weights the engine loads.
+        adapter_dir: where adapters are written for vLLM to load; defaults to a fresh folder
+            on tmpfs (``/dev/shm``) where there is one.
+        lora_id, lora_name: the stable identity of the served adapter.
+    """
+
+    name = "vllm"
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        return type(obj).__module__.startswith("vllm") and hasattr(obj, "llm_engine")
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        checkpoint: str | None = None,
+        adapter_dir: str | None = None,
+        lora_id: int = 1,
+        lora_name: str = "weightsync",
+    ) -> None:
+        super().__init__()
+        from vllm.v1.engine.core_client import InprocClient
+
+        if not isinstance(llm.llm_engine.engine_core, InprocClient):
+            raise ValueError(
+                "VLLMEngine needs vLLM's engine core in this process, so that weights pass by "
+                "reference: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM."
+            )
+        self.llm = llm
+        config = llm.llm_engine.vllm_config
+        self._model_config = config.model_config
+        self._lora_config = config.lora_config
+        # vLLM repoints model_config.model at any folder it reloads from: remember the original.
+        self.checkpoint = checkpoint or self._model_config.model
+        shapes = _checkpoint_shapes(self.checkpoint)
+        if getattr(self._model_config.hf_config, "tie_word_embeddings", False):
+            # A tied engine computes logits with embed_tokens and ignores lm_head.weight.
+            shapes.pop("lm_head.weight", None)
+        self._expected = shapes
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self._lora_request = None
+        self._lora_modules: set[str] | None = None
+
+    # --- what the engine holds -------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._model_config.dtype
+
+    @property
+    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
+        return self._expected
+
+    @property
+    def serves_lora(self) -> bool:
+        return self._lora_config is not None
+
+    @property
+    def ties_embeddings(self) -> bool:
+        return bool(getattr(self._model_config.hf_config, "tie_word_embeddings", False))
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` to pass to ``generate`` for the served adapter (None if none)."""
+        return self._lora_request
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def load_weights(self, buckets: Iterable[Bucket]) -> int:
+        self._forget_adapter()
+        pairs = (pair for bucket in buckets for pair in bucket)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
+        return 1
+
+    def reload_checkpoint(self, path: str | None = None) -> int:
+        self._forget_adapter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path or self.checkpoint})
+        self.llm.reset_prefix_cache()
+        return 1
+
+    def _supported_lora_modules(self) -> set[str]:
+        if self._lora_modules is None:
+
+            def collect(model: torch.nn.Module) -> set[str]:
+                # The modules vLLM's LoRA manager accepts, as its adapter loader expands them:
+                # every linear layer, named by its last path component (the parent's name once
+                # LoRA wrapped it as ``.base_layer``), packed layers expanded (qkv_proj -> q/k/v).
+                from vllm.model_executor.layers.linear import LinearBase
+
+                packed = getattr(model, "packed_modules_mapping", {}) or {}
+                names = set(getattr(model, "embedding_modules", {}) or {})
+                for name, module in model.named_modules():
+                    if isinstance(module, LinearBase):
+                        leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+                        names.update(packed.get(leaf, [leaf]))
+                return names
+
+            self._lora_modules = self.llm.apply_model(collect)[0]
+        return self._lora_modules
+
+    def check_adapter(self, adapter: Adapter) -> None:
+        if not self.serves_lora:
+            raise AdapterError(
+                "this vLLM engine was created without enable_lora=True, so it cannot serve an "
+                "adapter; merge it instead (FullSync(lora='merge')) or recreate the LLM with "
+                "enable_lora=True"
+            )
+        limit = self._lora_config.max_lora_rank
+        if adapter.rank > limit:
+            raise AdapterError(
+                f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's "
+                f"max_lora_rank={limit}; create the LLM with max_lora_rank>={adapter.rank}"
+            )
+        targets = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter.tensors}
+        unsupported = sorted(targets - self._supported_lora_modules())
+        if unsupported:
+            raise AdapterError(
+                f"adapter {adapter.name!r} targets {unsupported}, which this vLLM model cannot "
+                f"apply LoRA to (it can: {sorted(self._supported_lora_modules())}); merge the "
+                "adapter instead (FullSync(lora='merge'))"
+            )
+
+    def load_adapter(self, adapter: Adapter) -> int:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self.check_adapter(adapter)
+        folder = self._adapter_root / "adapter"
+        staging = self._adapter_root / "adapter.new"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file(
+            {k: v.contiguous() for k, v in adapter.tensors.items()},
+            str(staging / "adapter_model.safetensors"),
+        )
+        (staging / "adapter_config.json").write_text(json.dumps(adapter.config, default=str))
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+        self.llm.llm_engine.add_lora(
+            LoRARequest(self.lora_name, self.lora_id, str(folder), load_inplace=True)
+        )
+        self._lora_request = LoRARequest(self.lora_name, self.lora_id, str(folder))
+        self.llm.reset_prefix_cache()
+        return 1
+
+    def _forget_adapter(self) -> None:
+        self._lora_request = None
+        shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+        )
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt_ids))],
+            params,
+            lora_request=self._lora_request,
+            use_tqdm=False,
+        )[0].outputs[0]
+        tokens = list(out.token_ids)
+        return tokens, [step[tok].logprob for tok, step in zip(tokens, out.logprobs)]
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def _engine_sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def _engine_wake(self, tags: list[str] | None) -> None:
+        self.llm.wake_up(tags=tags)

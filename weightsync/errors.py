@@ -1,0 +1,49 @@
+"""Errors weightsync raises.
+
+Every error is raised *before* anything is written into the engine, unless its docstring says
+otherwise, so the engine keeps serving the weights it had. Messages name the weight, what was
+expected, what was found, and what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(Exception):
+    """Base class of every error weightsync raises on purpose."""
+
+
+class WeightMismatchError(WeightSyncError, ValueError):
+    """The trainer's weights do not fit the engine: a name the engine does not load, a weight
+    the engine loads but the trainer did not send, or a shape that differs."""
+
+
+class AdapterError(WeightSyncError, ValueError):
+    """The LoRA adapter cannot be served by the engine (rank above its limit, LoRA not enabled,
+    an adapter type the engine cannot run)."""
+
+
+class UnsupportedModelError(WeightSyncError, ValueError):
+    """The trainer's model has a part weightsync cannot turn into engine weights (for example a
+    DoRA adapter, or a quantized base layer)."""
+
+
+class EngineAsleepError(WeightSyncError, RuntimeError):
+    """Weights were about to be written into an engine whose weight memory is asleep.
+
+    On a GPU, writing into sleeping weights writes to unmapped memory (trl#5142). Wake the
+    "weights" tag first, load, then wake "kv_cache"."""
+
+
+class BaseDiscardedError(WeightSyncError, RuntimeError):
+    """A sync that does not restore the base weights was asked for after a level-2 sleep.
+
+    Level 2 throws the weights away; waking without a full restore generates gibberish
+    (vllm#29341). Only FullSync or ReloadWeights can follow a level-2 sleep."""
+
+
+class VerificationError(WeightSyncError, RuntimeError):
+    """After a sync, the engine's logprobs on the canary prompt disagree with the trainer's.
+
+    Raised after the weights were written: the engine holds what was sent, and what was sent
+    does not reproduce the trainer. The state helper marks the base unsynced, so the next
+    sync resends everything."""

@@ -1,0 +1,93 @@
+"""Syncer: the state a framework would otherwise track by hand between syncs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from . import policy
+from .engines.base import Engine, adapt
+from .strategies import Strategy, SyncReport
+from .verify import check_engine
+
+
+class Syncer:
+    """Told the training setup once; after every wake, chooses a strategy and syncs.
+
+    It owns ``base_sync_done``: False until a sync completes, set False again *before* each
+    sync starts, True only once it completed (and, with ``verify``, passed verification). So a
+    sync that fails half-way leaves the base marked unsynced and the next call resends
+    everything.
+
+    The sleep level comes from the engine adapter (which records :meth:`Engine.sleep`, or what
+    the caller reports with :meth:`Engine.mark_asleep`), or from the ``sleep_level`` argument;
+    the deeper of the two wins.
+
+    Example::
+
+        syncer = Syncer(VLLMEngine(llm), train_type="lora")
+        for step in range(steps):
+            ...train...
+            syncer.engine.wake_up(["weights"])
+            syncer.sync(model)               # picks FullSync / AdapterSync, logs why
+            syncer.engine.wake_up(["kv_cache"])
+            ...generate with lora_request=syncer.engine.lora_request...
+
+    Args:
+        engine: an :class:`Engine` or a raw engine a registered adapter accepts (``vllm.LLM``).
+        train_type: ``"full"`` or ``"lora"``.
+        rollout_lora: the engine serves the adapter; defaults to what the engine reports.
+        prefer_reload: restore a discarded base from the engine's checkpoint (see policy).
+        base_sync_done: start as if the base were synced (e.g. the engine was started from the
+            very checkpoint the trainer loaded, as verl assumes unless load_format is "dummy").
+        verify: check every sync on a canary prompt (see :mod:`weightsync.verify`).
+    """
+
+    def __init__(
+        self,
+        engine: Engine | Any,
+        *,
+        train_type: policy.TrainType,
+        rollout_lora: bool | None = None,
+        prefer_reload: bool = False,
+        base_sync_done: bool = False,
+        verify: bool = False,
+    ) -> None:
+        self.engine = adapt(engine)
+        self.train_type = train_type
+        self.rollout_lora = self.engine.serves_lora if rollout_lora is None else rollout_lora
+        self.prefer_reload = prefer_reload
+        self.base_sync_done = base_sync_done
+        self.verify = verify
+        self.step = 0
+        self.choose()  # validate the setup now, not at the first sync
+
+    def choose(self, sleep_level: int | None = None) -> Strategy:
+        """The strategy the next :meth:`sync` would run."""
+        level = self.engine.sleep_level
+        if sleep_level is not None:
+            level = max(level, sleep_level) if sleep_level in policy.SLEEP_LEVELS else sleep_level
+        return policy.choose(
+            train_type=self.train_type,
+            rollout_lora=self.rollout_lora,
+            base_sync_done=self.base_sync_done,
+            sleep_level=level,
+            prefer_reload=self.prefer_reload,
+        )
+
+    def sync(self, model: nn.Module, *, sleep_level: int | None = None) -> SyncReport:
+        """Choose, sync ``model`` into the engine, and update ``base_sync_done``.
+
+        Raises whatever the strategy or the verification raises; nothing is swallowed.
+        """
+        strategy = self.choose(sleep_level)
+        self.base_sync_done = False
+        report = strategy.sync(model, self.engine)
+        if self.verify:
+            diff = check_engine(model, self.engine, strategy=strategy.label, step=self.step)
+            report = dataclasses.replace(report, verified_logprob_diff=diff)
+        self.base_sync_done = True
+        self.step += 1
+        return report

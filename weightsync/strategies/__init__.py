@@ -1,0 +1,8 @@
+"""The three ways to sync; see each class's docstring for when it is right and what it costs."""
+
+from .adapter import AdapterSync
+from .base import Strategy, SyncReport
+from .full import FullSync
+from .reload import ReloadWeights
+
+__all__ = ["AdapterSync", "FullSync", "ReloadWeights", "Strategy", "SyncReport"]

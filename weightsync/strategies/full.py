@@ -1,0 +1,87 @@
+"""FullSync: push every weight from trainer memory."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+
+from ..engines.base import Engine
+from ..errors import AdapterError
+from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors, buckets
+from ..stream import _is_peft as is_peft
+from .base import Strategy, _Tally, check_names
+
+LoraMode = Literal["merge", "separate"]
+
+
+class FullSync(Strategy):
+    """Stream every weight the engine loads from the trainer's memory, a bucket at a time.
+
+    Right after full training, after a level-2 sleep, and for the first sync. For a
+    ``peft.PeftModel`` it has two modes:
+
+    - ``lora="merge"``: the engine does not serve LoRA. Each targeted weight is sent as
+      ``W + scale * B @ A``, computed out of place in float32 and cast once; the trainer's
+      weights are untouched.
+    - ``lora="separate"``: the engine serves LoRA. The base is sent unmerged, then the adapter
+      is loaded in place -- never merged *and* applied (LoRA counted twice, ms-swift#8233).
+
+    ``lora=None`` picks ``separate`` when the engine serves LoRA, else ``merge``.
+
+    Cost: every byte of the model once, plus the engine's own post-load processing. Extra
+    memory on the trainer side: one bucket of merged tensors (none for a dense model whose
+    dtype matches the engine's: the engine reads the trainer's tensors directly).
+
+    Args:
+        lora: how to send a LoRA model (ignored for a model without adapters).
+        bucket_bytes: size of the groups tensors are materialised and sent in.
+        reason: why this strategy was chosen, for logs.
+    """
+
+    name = "FullSync"
+    restores_base = True
+    default_reason = "full sync requested"
+
+    def __init__(
+        self,
+        *,
+        lora: LoraMode | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(reason=reason)
+        if lora not in (None, "merge", "separate"):
+            raise ValueError(f"lora must be 'merge', 'separate' or None, got {lora!r}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.lora = lora
+        self.bucket_bytes = bucket_bytes
+
+    @property
+    def label(self) -> str:
+        return f"FullSync(lora={self.lora})" if self.lora else "FullSync"
+
+    def _sync(self, model: nn.Module, engine: Engine, tally: _Tally) -> None:
+        mode = self.lora or ("separate" if engine.serves_lora else "merge")
+        peft = is_peft(model)
+        served = None
+        if peft and mode == "separate":
+            if not engine.serves_lora:
+                raise AdapterError(
+                    "FullSync(lora='separate') sends base and adapter apart, but the engine does "
+                    "not serve LoRA; use lora='merge' or enable LoRA in the engine"
+                )
+            served = adapter(model)
+            engine.check_adapter(served)
+        tensors = base_tensors(
+            model, merge_lora=peft and mode == "merge", expected=engine.expected_weights
+        )
+        check_names(tensors, engine, complete=True)
+        tally.engine_calls += engine.load_weights(
+            tally.count(buckets(tensors, engine.dtype, self.bucket_bytes))
+        )
+        if served is not None:
+            tally.engine_calls += engine.load_adapter(served)
+            tally.tensors += len(served.tensors)
+            tally.bytes += served.nbytes

@@ -1,0 +1,172 @@
+"""Small building blocks for tests, the demo and the benchmarks: tiny models built locally,
+a real vLLM engine on them, a simulated level-2 discard, and a trainer/engine comparison.
+
+Nothing here is needed to *use* weightsync; it is public so that a framework can test its own
+integration the same way weightsync tests itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .engines.base import Engine, adapt
+from .verify import trainer_logprobs
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7, 7, 7, 7, 900, 12]]
+
+
+def tiny_config(arch: str = "qwen2", **overrides: Any):
+    """A 2-layer config vLLM's CPU kernels accept (head_dim 32; 16 is rejected).
+
+    ``qwen2`` ties lm_head to the embeddings; ``llama`` has an untied lm_head. A larger
+    ``initializer_range`` than the default keeps greedy decoding from repeating one token, so
+    two weight sets give visibly different outputs.
+    """
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
+    common.update(overrides)
+    if arch == "qwen2":
+        return Qwen2Config(tie_word_embeddings=True, **common)
+    if arch == "llama":
+        return LlamaConfig(tie_word_embeddings=False, **common)
+    raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+
+
+def tiny_model(arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> nn.Module:
+    """A random-initialised causal LM from :func:`tiny_config`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), torch_dtype=dtype)
+    return model.to(dtype).eval()
+
+
+def save_checkpoint(model: nn.Module, folder: str | Path) -> str:
+    """Write ``model`` as a safetensors checkpoint vLLM can start from; returns the folder."""
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return str(folder)
+
+
+def make_llm(
+    checkpoint: str,
+    *,
+    dtype: str = "float32",
+    enable_lora: bool = False,
+    max_lora_rank: int = 16,
+    enable_prefix_caching: bool = True,
+    max_model_len: int = 256,
+    kv_cache_bytes: int = 64 << 20,
+) -> Any:
+    """A real in-process ``vllm.LLM`` on ``checkpoint`` sized for a small CPU machine."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0: weightsync needs vLLM in-process")
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+    return LLM(
+        model=checkpoint,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enable_prefix_caching=enable_prefix_caching,
+        seed=0,
+        **kwargs,
+    )
+
+
+@torch.no_grad()
+def discard_weights(engine: Engine | Any, *, seed: int = 1234) -> None:
+    """Simulate what a level-2 sleep does on a GPU: the engine's weights become garbage.
+
+    vLLM's sleep is a no-op on CPU, so this overwrites every weight with random values through
+    vLLM itself, bypassing weightsync's guards (it is not a sync). Afterwards the engine's
+    outputs are those of a random model until something restores the base.
+    """
+    engine = adapt(engine)
+    gen = torch.Generator().manual_seed(seed)
+    garbage = [
+        (name, torch.randn(shape, generator=gen, dtype=torch.float32).to(engine.dtype))
+        for name, shape in engine.expected_weights.items()
+    ]
+    engine.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": garbage, "is_checkpoint_format": True}
+    )
+    engine.llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def perturb(model: nn.Module, *, seed: int, scale: float = 0.05) -> None:
+    """Stand in for an optimizer step: add noise to every trainable parameter of ``model``.
+
+    For a PEFT model only the adapter (and ``modules_to_save``) train; for a plain model every
+    weight does.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.requires_grad:
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.add_(noise.to(p.dtype) * scale)
+
+
+@torch.no_grad()
+def trainer_greedy(model: nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens the trainer's model generates (full forward each step: tiny models only)."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        ids = list(prompt)
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1]
+            ids.append(int(logits.float().argmax()))
+        return ids[len(prompt):]
+    finally:
+        model.train(was_training)
+
+
+def compare(
+    model: nn.Module, engine: Engine | Any, *, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8
+) -> dict[str, Any]:
+    """Engine vs trainer on ``prompts``: both token lists and the largest logprob difference."""
+    engine = adapt(engine)
+    result: dict[str, Any] = {"engine": [], "trainer": [], "max_logprob_diff": 0.0}
+    for prompt in prompts:
+        tokens, logprobs = engine.greedy(prompt, max_tokens)
+        result["engine"].append(tokens)
+        result["trainer"].append(trainer_greedy(model, prompt, max_tokens))
+        ours = trainer_logprobs(model, prompt, tokens)
+        diff = max(abs(a - b) for a, b in zip(logprobs, ours))
+        result["max_logprob_diff"] = max(result["max_logprob_diff"], diff)
+    return result
+
+
+def assert_matches(
+    model: nn.Module, engine: Engine | Any, *, atol: float = 1e-3, max_tokens: int = 8
+) -> dict[str, Any]:
+    """Assert the engine generates exactly the trainer's greedy tokens, logprobs within ``atol``."""
+    result = compare(model, engine, max_tokens=max_tokens)
+    assert result["engine"] == result["trainer"], (
+        f"engine tokens {result['engine']} != trainer tokens {result['trainer']}"
+    )
+    assert result["max_logprob_diff"] <= atol, f"logprob diff {result['max_logprob_diff']} > {atol}"
+    return result

@@ -1,0 +1,71 @@
+"""Verification after a sync: does the engine now compute what the trainer computes?
+
+The engine greedy-decodes a few tokens from a fixed canary prompt; the trainer scores the same
+tokens (teacher forcing). If the largest logprob difference passes a dtype-aware tolerance the
+engine is not serving the trainer's weights: gibberish after a level-2 wake, a stale adapter, a
+dropped lm_head. Cost: one short generation on the engine and one forward pass of the trainer
+(measured in docs/failure-modes.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .engines.base import Engine
+from .errors import VerificationError
+
+# Engines and trainers run different kernels: float32 agrees to ~1e-4 in logprob, half
+# precision to a few 1e-2. A wrong weight set misses by whole nats.
+TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.25, torch.float16: 0.1}
+
+
+def canary_prompt(vocab_size: int, length: int = 8) -> list[int]:
+    """A fixed prompt of valid token ids for any vocabulary."""
+    return [(7919 * i + 17) % vocab_size for i in range(length)]
+
+
+@torch.no_grad()
+def trainer_logprobs(model: nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Logprob the trainer gives each of ``tokens`` after ``prompt`` (eval mode, no dropout)."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        ids = torch.tensor([prompt + tokens], device=device)
+        logits = model(input_ids=ids).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        start = len(prompt) - 1
+        return [logprobs[start + i, tok].item() for i, tok in enumerate(tokens)]
+    finally:
+        model.train(was_training)
+
+
+def check_engine(
+    model: nn.Module,
+    engine: Engine,
+    *,
+    strategy: str,
+    step: int | None = None,
+    max_tokens: int = 8,
+    tolerance: float | None = None,
+) -> float:
+    """Compare engine and trainer on the canary; return the largest logprob difference.
+
+    Raises:
+        VerificationError: the difference is above ``tolerance`` (default: by engine dtype).
+    """
+    config = getattr(model, "config", None) or model.get_base_model().config
+    prompt = canary_prompt(config.vocab_size)
+    tokens, engine_lp = engine.greedy(prompt, max_tokens)
+    ours = trainer_logprobs(model, prompt, tokens)
+    diff = max(abs(a - b) for a, b in zip(engine_lp, ours))
+    limit = tolerance if tolerance is not None else TOLERANCE.get(engine.dtype, 0.25)
+    if not diff <= limit:  # NaN fails too
+        at = f" at step {step}" if step is not None else ""
+        raise VerificationError(
+            f"{strategy}{at}: the engine's logprobs on the canary prompt differ from the "
+            f"trainer's by up to {diff:.4g} (tolerance {limit:g} for {engine.dtype}); the engine "
+            "is not serving the trainer's weights. The next sync should resend everything."
+        )
+    return diff
