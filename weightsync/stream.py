@@ -162,7 +162,18 @@ def base_tensors(
         by_param.setdefault(id(p), []).append(t)
     result: list[Tensor] = []
     for names in by_param.values():
-        result += [t for t in names if expected is not None and t.name in expected] or names[:1]
+        wanted = [t for t in names if expected is not None and t.name in expected] or names[:1]
+        if len({t.merged for t in names}) > 1 and len(wanted) < len(names):
+            # LoRA on one name of a tied tensor (say embed_tokens) leaves its twin (lm_head)
+            # on the unmerged weight: one engine tensor cannot be both.
+            raise UnsupportedModelError(
+                f"{[t.name for t in names]} share one tensor in the trainer and LoRA modifies it "
+                f"under {[t.name for t in names if t.merged]} only, but the engine loads "
+                f"{[t.name for t in wanted]} alone (tied embeddings), so it cannot hold both "
+                "versions. Untie the weights (tie_word_embeddings=False) or serve the adapter "
+                "unmerged."
+            )
+        result += wanted
     return result
 
 

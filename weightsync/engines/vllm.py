@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,26 @@ def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
             for key in h.keys():
                 shapes[key] = tuple(h.get_slice(key).get_shape())
     return shapes
+
+
+def _read_with_twins(folder: str, twins: Mapping[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                tensor = h.get_tensor(key)
+                yield key, tensor
+                for twin in twins.get(key, ()):
+                    yield twin, tensor
+
+
+def _shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of names under which one parameter of the engine's model is registered."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name.replace(".base_layer.", "."))
+    return [names for names in by_param.values() if len(names) > 1]
 
 
 @register
@@ -97,9 +117,16 @@ class VLLMEngine(Engine):
         # vLLM repoints model_config.model at any folder it reloads from: remember the original.
         self.checkpoint = checkpoint or self._model_config.model
         shapes = _checkpoint_shapes(self.checkpoint)
-        if getattr(self._model_config.hf_config, "tie_word_embeddings", False):
-            # A tied engine computes logits with embed_tokens and ignores lm_head.weight.
-            shapes.pop("lm_head.weight", None)
+        # A tied engine shares one parameter between lm_head and embed_tokens, and the
+        # checkpoint stores it once. vLLM's layerwise reload restores each module on its own,
+        # so the twin left out of the stream keeps its old values: both names must be sent.
+        self._twins: dict[str, list[str]] = {}
+        for names in llm.apply_model(_shared_parameter_names)[0]:
+            known = [n for n in names if n in shapes]
+            for name in names:
+                if known and name not in shapes:
+                    shapes[name] = shapes[known[0]]
+                    self._twins.setdefault(known[0], []).append(name)
         self._expected = shapes
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
@@ -143,8 +170,14 @@ class VLLMEngine(Engine):
         return 1
 
     def reload_checkpoint(self, path: str | None = None) -> int:
+        folder = path or self.checkpoint
+        if self._twins and not set(self._expected) <= set(_checkpoint_shapes(folder)):
+            # vLLM's own reload from disk leaves a tied twin (lm_head) stale, because the
+            # checkpoint stores the shared tensor once (measured on vLLM 0.32). Read the files
+            # here instead and send each shared tensor under every name.
+            return self.load_weights([_read_with_twins(folder, self._twins)])
         self._forget_adapter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path or self.checkpoint})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
         self.llm.reset_prefix_cache()
         return 1
 

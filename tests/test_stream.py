@@ -1,0 +1,154 @@
+"""The trainer-side weight stream, without an engine: names, merge math, memory, no mutation."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
+
+from weightsync import stream
+from weightsync.errors import UnsupportedModelError
+from weightsync.testing import perturb, save_checkpoint, tiny_model
+
+
+def checkpoint_names(model, tmp_path):
+    folder = save_checkpoint(model, tmp_path / "ck")
+    names = set()
+    for f in (tmp_path / "ck").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    return names
+
+
+def materialize(tensors, dtype=torch.float32):
+    return {n: t for bucket in stream.buckets(tensors, dtype) for n, t in bucket}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_names_are_checkpoint_names(arch, tmp_path):
+    model = tiny_model(arch)
+    expected = checkpoint_names(model, tmp_path)
+    plain = [t.name for t in stream.base_tensors(model, merge_lora=False)]
+    assert set(plain) == expected and len(plain) == len(expected)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", modules_to_save=["lm_head"] if arch == "llama" else None))
+    for merge in (False, True):
+        names = [t.name for t in stream.base_tensors(peft, merge_lora=merge, expected=expected)]
+        assert set(names) == expected, set(names) ^ expected
+        assert not any("lora_" in n or "base_layer" in n or "modules_to_save" in n or "original_module" in n for n in names)
+
+
+def test_tied_head_sent_under_every_expected_name():
+    model = tiny_model("qwen2")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = [t.name for t in stream.base_tensors(model, merge_lora=False)]
+    assert "lm_head.weight" not in names
+    expected = {t.name: t.shape for t in stream.base_tensors(model, merge_lora=False)}
+    expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    both = {t.name: t for t in stream.base_tensors(model, merge_lora=False, expected=expected)}
+    assert torch.equal(both["lm_head.weight"].produce(torch.float32), model.lm_head.weight)
+
+
+LORA_SETUPS = {
+    "all-linear+rslora+rank_pattern": ("qwen2", dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True, rank_pattern={"q_proj": 4})),
+    "embedding+attn": ("llama", dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "k_proj"])),
+    "mlp+modules_to_save": ("llama", dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"], modules_to_save=["lm_head"])),
+    "lora_bias": ("qwen2", dict(r=4, target_modules=["q_proj"], lora_bias=True)),
+}
+
+
+@pytest.mark.parametrize("setup", list(LORA_SETUPS))
+def test_merged_equals_peft_merge_and_trainer_untouched(setup):
+    arch, cfg = LORA_SETUPS[setup]
+    model = get_peft_model(tiny_model(arch), LoraConfig(**cfg))
+    perturb(model, seed=1, scale=0.2)  # lora_B starts at zero: make the delta real
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+
+    ours = materialize(stream.base_tensors(model, merge_lora=True))
+
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+    merged_any = [t for t in stream.base_tensors(model, merge_lora=True) if t.merged]
+    assert merged_any, "no tensor was merged"
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "trainer weights changed"
+
+
+def test_gpt2_conv1d_fan_in_fan_out():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=64)).eval()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
+    perturb(model, seed=2, scale=0.2)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    ours = materialize(stream.base_tensors(model, merge_lora=True))
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_bf16_merge_is_fp32_cast_once():
+    model = get_peft_model(tiny_model("llama", dtype=torch.bfloat16), LoraConfig(r=8, target_modules=["q_proj"]))
+    perturb(model, seed=3, scale=0.2)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    w = layer.base_layer.weight.float()
+    want = (w + layer.scaling["default"] * (layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float())).to(torch.bfloat16)
+    got = materialize(stream.base_tensors(model, merge_lora=True), torch.bfloat16)["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(got, want)
+
+
+def test_dora_merge_refused():
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(UnsupportedModelError, match="DoRA"):
+        materialize(stream.base_tensors(model, merge_lora=True))
+    with pytest.raises(UnsupportedModelError, match="DoRA"):
+        stream.adapter(model)
+
+
+def test_buckets_bound_size_and_keep_order():
+    model = tiny_model("llama")
+    tensors = stream.base_tensors(model, merge_lora=False)
+    limit = 200_000
+    seen = []
+    for bucket in stream.buckets(tensors, torch.float32, limit):
+        size = sum(t.numel() * 4 for _, t in bucket)
+        assert size <= limit or len(bucket) == 1
+        seen += [n for n, _ in bucket]
+    assert seen == [t.name for t in tensors]
+    assert stream.nbytes(tensors, torch.float32) == sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        next(stream.buckets(tensors, torch.float32, 0))
+
+
+def test_dense_same_dtype_shares_memory():
+    model = tiny_model("llama")
+    t = stream.base_tensors(model, merge_lora=False)[0]
+    assert t.produce(torch.float32).data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_adapter_payload():
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 12}, modules_to_save=["lm_head"]))
+    a = stream.adapter(model)
+    assert a.rank == 12
+    assert a.config["modules_to_save"] is None
+    assert all(".lora_A." in k or ".lora_B." in k for k in a.tensors)
+    assert len(a.tensors) == 2 * 2 * 2  # 2 layers x 2 modules x (A, B)
+    assert [t.name for t in stream.trained_copies(model)] == ["lm_head.weight"]
+    with pytest.raises(UnsupportedModelError, match="PeftModel"):
+        stream.adapter(tiny_model("llama"))
+
+
+def test_lora_on_one_name_of_a_tied_tensor():
+    # LoRA on embed_tokens of a tied model changes the embedding but not the lm_head that
+    # shares its base weight: an engine holding both names gets each its own tensor, an engine
+    # that ties them cannot represent the trainer, and is told so.
+    model = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, target_modules=["embed_tokens"]))
+    perturb(model, seed=4, scale=0.2)
+    untied = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    tensors = {t.name: t for t in stream.base_tensors(model, merge_lora=True, expected=untied)}
+    inner = model.get_base_model()
+    assert torch.equal(tensors["lm_head.weight"].produce(torch.float32), inner.lm_head.weight)
+    assert tensors["model.embed_tokens.weight"].merged
+    with pytest.raises(UnsupportedModelError, match="tied"):
+        stream.base_tensors(model, merge_lora=True, expected={"model.embed_tokens.weight": None})
