@@ -18,6 +18,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r[col] = med / by[ref]["seconds"]["median"] if ref in by else None
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e6:.0f} M" if n >= 1e7 else f"{n / 1e6:.2f} M"
+
+
 def _mb(b: float | None) -> str:
     return "" if b is None else f"{b / 2**20:,.0f}"
 
@@ -124,7 +128,7 @@ def profile_table(p: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     parts = [
-        f"# weightsync benchmark: {m['model']} ({m['params'] / 1e6:.0f} M params, {m['dtype']}, "
+        f"# weightsync benchmark: {m['model']} ({_params(m['params'])} params, {m['dtype']}, "
         f"{m['model_bytes'] / 1e9:.2f} GB)",
         "",
         f"`{m['command']}` -- {m['date']} -- {m['machine']}; {m['repeats']} timed runs per row after "
@@ -148,7 +152,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "| model | params | model MiB | peak extra MiB (max) | median | bound MiB (bucket + largest + 10%) |",
                   "|---|---|---|---|---|---|"]
         for x in result["memory"]:
-            parts.append(f"| {x['model']} | {x['params'] / 1e6:.0f} M | {_mb(x['model_bytes'])} | "
+            parts.append(f"| {x['model']} | {_params(x['params'])} | {_mb(x['model_bytes'])} | "
                          f"{_mb(x['peak_extra_bytes']['max'])} | {_mb(x['peak_extra_bytes']['median'])} | {_mb(x['bound_bytes'])} |")
     if result.get("profile"):
         parts += ["", "## Where the seconds go", "", profile_table(result["profile"])]
@@ -160,6 +164,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     rows = [r for r in result["rows"] if not r.get("error")]
     labels = [r["label"] for r in rows]
@@ -175,6 +180,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax = axes[0]
     ax.barh(y, med, xerr=[lo, hi], color=c, capsize=3)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_yticks(list(y), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per sync (median, min-max bars; log scale)")
@@ -193,12 +199,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(d["marks"], d[who]["curve"], marker="o", label=lab, color=col)
         ax.set_xscale("log")
         ax.set_yscale("symlog", linthresh=1e-6)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("sync cycles")
         ax.set_ylabel("max |W - W_start|")
         ax.set_title(f"trainer weight drift ({d['model']}, bf16)")
         ax.legend()
     m = result["meta"]
-    fig.suptitle(f"weightsync benchmark -- {m['model']} ({m['params'] / 1e6:.0f} M params, {m['dtype']}), {m['date']}")
+    fig.suptitle(f"weightsync benchmark -- {m['model']} ({_params(m['params'])} params, {m['dtype']}), {m['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
