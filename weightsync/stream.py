@@ -41,6 +41,7 @@ class Tensor:
     shape: tuple[int, ...]
     produce: Callable[[torch.dtype], torch.Tensor]
     merged: bool = False
+    source: int = 0  # id() of the trainer parameter it comes from: tied names share it
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -131,11 +132,11 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor], params
                 produce = _merged_weight(module, p)
             else:
                 produce = _merged_bias(module, p)
-            out.append(Tensor(prefix + pname, tuple(p.shape), produce, merged))
+            out.append(Tensor(prefix + pname, tuple(p.shape), produce, merged, id(p)))
             params.append(p)
         return
     for pname, p in module.named_parameters(recurse=False):
-        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p)))
+        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p)))
         params.append(p)
     for cname, child in module.named_children():
         _walk(child, f"{prefix}{cname}.", merge, out, params)
@@ -190,7 +191,7 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
         if isinstance(module, ModulesToSaveWrapper) and not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
-                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p)))
+                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p), source=id(p)))
     return out
 
 

@@ -61,6 +61,12 @@ class Engine(ABC):
         """
 
     @property
+    def shared_weights(self) -> list[tuple[str, ...]]:
+        """Groups of names the engine holds as *one* tensor (tied embeddings). Whatever is
+        sent under them must be one tensor in the trainer too, or the engine cannot hold it."""
+        return []
+
+    @property
     @abstractmethod
     def serves_lora(self) -> bool:
         """The engine applies a LoRA adapter at generation time (vLLM ``enable_lora``)."""

@@ -120,13 +120,17 @@ class VLLMEngine(Engine):
         # A tied engine shares one parameter between lm_head and embed_tokens, and the
         # checkpoint stores it once. vLLM's layerwise reload restores each module on its own,
         # so the twin left out of the stream keeps its old values: both names must be sent.
-        self._twins: dict[str, list[str]] = {}
+        self._twins: dict[str, list[str]] = {}  # checkpoint name -> names sharing it
+        self._shared: list[tuple[str, ...]] = []
         for names in llm.apply_model(_shared_parameter_names)[0]:
             known = [n for n in names if n in shapes]
+            if not known:
+                continue
             for name in names:
-                if known and name not in shapes:
+                if name not in shapes:
                     shapes[name] = shapes[known[0]]
                     self._twins.setdefault(known[0], []).append(name)
+            self._shared.append(tuple(names))
         self._expected = shapes
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
@@ -150,8 +154,8 @@ class VLLMEngine(Engine):
         return self._lora_config is not None
 
     @property
-    def ties_embeddings(self) -> bool:
-        return bool(getattr(self._model_config.hf_config, "tie_word_embeddings", False))
+    def shared_weights(self) -> list[tuple[str, ...]]:
+        return list(self._shared)
 
     @property
     def lora_request(self) -> Any:
@@ -163,11 +167,33 @@ class VLLMEngine(Engine):
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
         self._forget_adapter()
         pairs = (pair for bucket in buckets for pair in bucket)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
-        )
-        self.llm.reset_prefix_cache()
+        self._reload({"weights_iterator": pairs, "is_checkpoint_format": True})
         return 1
+
+    def _reload(self, kwargs: dict[str, Any]) -> None:
+        """``reload_weights`` that leaves vLLM usable when it fails part-way.
+
+        vLLM 0.32's reload has no cleanup: if the weights iterator (or a loader) raises, every
+        layer not yet finished stays on the meta device with its loaders wrapped, so generation
+        fails ("Tensor on device meta") and leaves the scheduler stuck, and every later reload
+        fails ("'Parameter' object has no attribute 'weight_loader'"). On error this finishes
+        the reload as vLLM would after a complete one: layers the stream never reached get
+        their previous tensors back, a layer cut mid-way is processed with what arrived (its
+        other parts undefined). The engine then works but serves a mix of weights, so the
+        error is re-raised and the caller must resync everything (Syncer does).
+        """
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        except BaseException:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+            )
+
+            config = self._model_config
+            self.llm.apply_model(lambda model: finalize_layerwise_reload(model, config))
+            raise
+        finally:
+            self.llm.reset_prefix_cache()
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         folder = path or self.checkpoint
@@ -177,8 +203,7 @@ class VLLMEngine(Engine):
             # here instead and send each shared tensor under every name.
             return self.load_weights([_read_with_twins(folder, self._twins)])
         self._forget_adapter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
-        self.llm.reset_prefix_cache()
+        self._reload({"weights_path": folder})
         return 1
 
     def _supported_lora_modules(self) -> set[str]:

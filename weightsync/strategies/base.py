@@ -143,14 +143,7 @@ def check_names(tensors: list[Tensor], engine: Engine, *, complete: bool) -> Non
     problems = []
     unknown = [n for n in names if n not in expected]
     if unknown:
-        line = f"{len(unknown)} weight(s) the engine does not have: {_few(unknown)}"
-        if "lm_head.weight" in unknown and getattr(engine, "ties_embeddings", False):
-            line += (
-                " -- the engine ties lm_head to embed_tokens (tie_word_embeddings=True), so it "
-                "cannot hold the trainer's separately trained lm_head; start the engine from a "
-                "checkpoint saved with tie_word_embeddings=False"
-            )
-        problems.append(line)
+        problems.append(f"{len(unknown)} weight(s) the engine does not have: {_few(unknown)}")
     if complete:
         missing = sorted(set(expected) - set(names))
         if missing:
@@ -162,6 +155,16 @@ def check_names(tensors: list[Tensor], engine: Engine, *, complete: bool) -> Non
     ]
     if shapes:
         problems.append(f"{len(shapes)} shape mismatch(es): {_few(shapes)}")
+    by_name = {t.name: t for t in tensors}
+    for group in engine.shared_weights:
+        sent = [by_name[n] for n in group if n in by_name]
+        if len({(t.source, t.merged) for t in sent}) > 1:
+            problems.append(
+                f"the engine holds {list(group)} as one tensor (tied embeddings), but the "
+                "trainer's differ (an lm_head trained apart from the embeddings, or LoRA on one "
+                "of them): the engine cannot hold the trainer's weights. Start the engine from a "
+                "checkpoint saved with tie_word_embeddings=False"
+            )
     if problems:
         raise WeightMismatchError(
             "the trainer's weights do not fit the engine, nothing was written:\n  - "

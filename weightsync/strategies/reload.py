@@ -92,5 +92,9 @@ def write_snapshot(tensors: list[Tensor], engine: Engine, folder: Path, bucket_b
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.safetensors"):
         old.unlink()
-    for i, bucket in enumerate(buckets(tensors, engine.dtype, bucket_bytes)):
+    # A tied tensor is stored once, under its first name, as a checkpoint stores it (safetensors
+    # refuses shared storage); the engine's reload sends it under its other names.
+    written: set[int] = set()
+    unique = [t for t in tensors if not (t.source in written or written.add(t.source))]
+    for i, bucket in enumerate(buckets(unique, engine.dtype, bucket_bytes)):
         save_file({name: t.contiguous() for name, t in bucket}, str(folder / f"weights-{i:05d}.safetensors"))
