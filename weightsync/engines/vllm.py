@@ -74,6 +74,22 @@ def _shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_param.values() if len(names) > 1]
 
 
+def _abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """Undo an interrupted vLLM layerwise reload: every layer it had not finished keeps its
+    previous tensors (see :meth:`VLLMEngine._reload`)."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        finalize_layerwise_reload,
+    )
+
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            info.loaded_weights = []
+            info.load_numel = 0
+    finalize_layerwise_reload(model, model_config)
+
+
 @register
 class VLLMEngine(Engine):
     """An in-process ``vllm.LLM`` as a weightsync engine.
@@ -176,21 +192,18 @@ class VLLMEngine(Engine):
         vLLM 0.32's reload has no cleanup: if the weights iterator (or a loader) raises, every
         layer not yet finished stays on the meta device with its loaders wrapped, so generation
         fails ("Tensor on device meta") and leaves the scheduler stuck, and every later reload
-        fails ("'Parameter' object has no attribute 'weight_loader'"). On error this finishes
-        the reload as vLLM would after a complete one: layers the stream never reached get
-        their previous tensors back, a layer cut mid-way is processed with what arrived (its
-        other parts undefined). The engine then works but serves a mix of weights, so the
-        error is re-raised and the caller must resync everything (Syncer does).
+        fails ("'Parameter' object has no attribute 'weight_loader'"). On error this drops
+        what layers cut mid-way had buffered -- vLLM would process them with their missing
+        parts left uninitialised, NaN that then also poisons the KV cache -- and finishes the
+        reload as vLLM does, which gives every layer not completed its previous tensors back.
+        The engine then works, serving a mix of old and new layers, so the error is re-raised
+        and the caller must resync everything (Syncer does).
         """
         try:
             self.llm.collective_rpc("reload_weights", kwargs=kwargs)
         except BaseException:
-            from vllm.model_executor.model_loader.reload.layerwise import (
-                finalize_layerwise_reload,
-            )
-
             config = self._model_config
-            self.llm.apply_model(lambda model: finalize_layerwise_reload(model, config))
+            self.llm.apply_model(lambda model: _abandon_layerwise_reload(model, config))
             raise
         finally:
             self.llm.reset_prefix_cache()
