@@ -9,6 +9,8 @@ dropped lm_head. Cost: one short generation on the engine and one forward pass o
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -41,6 +43,13 @@ def trainer_logprobs(model: nn.Module, prompt: list[int], tokens: list[int]) -> 
         model.train(was_training)
 
 
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    """Largest ``|a[i] - b[i]|``, NaN if any difference is NaN (a bare ``max`` skips a NaN
+    that is not first, so NaN logprobs from a broken engine would pass)."""
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    return float("nan") if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
+
+
 def check_engine(
     model: nn.Module,
     engine: Engine,
@@ -59,7 +68,7 @@ def check_engine(
     prompt = canary_prompt(config.vocab_size)
     tokens, engine_lp = engine.greedy(prompt, max_tokens)
     ours = trainer_logprobs(model, prompt, tokens)
-    diff = max(abs(a - b) for a, b in zip(engine_lp, ours))
+    diff = max_abs_diff(engine_lp, ours)
     limit = tolerance if tolerance is not None else TOLERANCE.get(engine.dtype, 0.25)
     if not diff <= limit:  # NaN fails too
         at = f" at step {step}" if step is not None else ""
