@@ -107,39 +107,37 @@ def _merged_bias(layer: nn.Module, bias: torch.Tensor) -> Callable[[torch.dtype]
     return produce
 
 
-def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor], params: list[torch.Tensor]):
-    """Append every weight below ``module`` to ``out`` (and its parameter to ``params``)."""
+def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> None:
+    """Append every weight below ``module`` to ``out``, under its checkpoint name."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     if isinstance(module, ModulesToSaveWrapper):
         # The trained copy is what the trainer runs; original_module is the frozen original.
         trained = module.modules_to_save[module.active_adapter] if not module.disable_adapters else None
-        _walk(trained if trained is not None else module.original_module, prefix, merge, out, params)
+        _walk(trained if trained is not None else module.original_module, prefix, merge, out)
         return
     if isinstance(module, LoraLayer):
         base = module.get_base_layer()
+        merging = merge and not module.disable_adapters
+        has_lora_bias = any(getattr(module, "lora_bias", {}).get(a) for a in module.active_adapters)
         for pname, p in base.named_parameters(recurse=False):
             if not p.is_floating_point():
                 raise UnsupportedModelError(
                     f"{prefix}{pname} is stored as {p.dtype} (a quantized base layer); weightsync "
                     "streams floating-point weights only. Dequantize the base before syncing."
                 )
-            merged = merge and not module.disable_adapters and pname in ("weight", "bias")
-            if not merged:
-                produce = _plain(p)
-            elif pname == "weight":
-                produce = _merged_weight(module, p)
+            if merging and pname == "weight":
+                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_weight(module, p), True, id(p)))
+            elif merging and pname == "bias" and has_lora_bias:
+                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_bias(module, p), True, id(p)))
             else:
-                produce = _merged_bias(module, p)
-            out.append(Tensor(prefix + pname, tuple(p.shape), produce, merged, id(p)))
-            params.append(p)
+                out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p)))
         return
     for pname, p in module.named_parameters(recurse=False):
         out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p)))
-        params.append(p)
     for cname, child in module.named_children():
-        _walk(child, f"{prefix}{cname}.", merge, out, params)
+        _walk(child, f"{prefix}{cname}.", merge, out)
 
 
 def base_tensors(
@@ -156,11 +154,10 @@ def base_tensors(
             its first name when the engine expects none of them (so the mismatch is reported).
     """
     found: list[Tensor] = []
-    params: list[torch.Tensor] = []
-    _walk(inner_model(model), "", merge_lora, found, params)
+    _walk(inner_model(model), "", merge_lora, found)
     by_param: dict[int, list[Tensor]] = {}
-    for t, p in zip(found, params):
-        by_param.setdefault(id(p), []).append(t)
+    for t in found:
+        by_param.setdefault(t.source, []).append(t)
     result: list[Tensor] = []
     for names in by_param.values():
         wanted = [t for t in names if expected is not None and t.name in expected] or names[:1]
