@@ -1,0 +1,489 @@
+"""Fault injection against a real in-process ``vllm.LLM``: every sync either completes with the
+engine serving exactly the trainer's weights, or fails with the documented error and leaves
+the engine usable (serving its previous weights, or recoverable by the next sync).
+
+Each test ends with the documented error or with ``T.assert_matches`` (the engine's greedy tokens
+equal to the trainer's, float32 logprobs within ``ATOL``). See docs/failure-modes.md.
+
+Sleep is a no-op on CPU vLLM, so a level-2 sleep is simulated by ``T.discard_weights`` (the
+engine's weights overwritten with random values) next to ``engine.sleep(2)`` for bookkeeping.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer, policy
+from weightsync import testing as T
+from weightsync.engines import VLLMEngine
+from weightsync.errors import (
+    BaseDiscardedError,
+    EngineAsleepError,
+    VerificationError,
+    WeightMismatchError,
+)
+from weightsync.verify import check_engine
+
+ATOL = 1e-3
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+SMALL_BUCKETS = 64 << 10  # 64 KiB: the tiny llama streams in 16 buckets
+
+
+class InjectedFault(RuntimeError):
+    """Raised by FlakyEngine in the middle of a weight stream."""
+
+
+class FlakyEngine(VLLMEngine):
+    """A VLLMEngine whose next weight stream raises after ``fail_after`` buckets (once), or is
+    silently corrupted after being written (``corrupt_next``)."""
+
+    fail_after: int | None = None
+    corrupt_next = False
+    buckets_seen = 0
+
+    def load_weights(self, buckets):
+        if self.fail_after is None:
+            calls = super().load_weights(buckets)
+        else:
+            n, self.fail_after = self.fail_after, None
+
+            def cut():
+                for i, bucket in enumerate(buckets):
+                    if i == n:
+                        raise InjectedFault(f"injected failure after {n} buckets")
+                    self.buckets_seen = i + 1
+                    yield bucket
+
+            calls = super().load_weights(cut())
+        if self.corrupt_next:
+            self.corrupt_next = False
+            T.discard_weights(self)
+        return calls
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rel")
+    return {
+        "llama": T.save_checkpoint(T.tiny_model("llama"), root / "llama"),
+        "qwen2": T.save_checkpoint(T.tiny_model("qwen2"), root / "qwen2"),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_engine(checkpoints):
+    """Untied llama, serving LoRA, prefix caching on."""
+    return FlakyEngine(T.make_llm(checkpoints["llama"], enable_lora=True, enable_prefix_caching=True))
+
+
+@pytest.fixture(scope="module")
+def plain_engine(checkpoints):
+    """Untied llama without LoRA (adapters are merged), prefix caching on."""
+    return FlakyEngine(T.make_llm(checkpoints["llama"], enable_prefix_caching=True))
+
+
+@pytest.fixture(scope="module")
+def tied_engine(checkpoints):
+    """Qwen2 (lm_head tied to embed_tokens), serving LoRA."""
+    return VLLMEngine(T.make_llm(checkpoints["qwen2"], enable_lora=True))
+
+
+@pytest.fixture(autouse=True)
+def _reset_engines(request):
+    """A failed test must not leak a sleep or an armed fault into the next one."""
+    yield
+    for name in ("lora_engine", "plain_engine", "tied_engine"):
+        if name in request.fixturenames:
+            engine = request.getfixturevalue(name)
+            engine.mark_awake()
+            if isinstance(engine, FlakyEngine):
+                engine.fail_after, engine.corrupt_next = None, False
+
+
+def lora_model(seed, arch="llama", **cfg):
+    model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**LORA, **cfg}))
+    T.perturb(model, seed=seed, scale=0.3)
+    return model
+
+
+def full_model(seed, arch="llama"):
+    model = T.tiny_model(arch)
+    T.perturb(model, seed=seed)
+    return model
+
+
+def differs(model, engine):
+    """The engine does not (yet) serve ``model``: otherwise a test would prove nothing."""
+    stale = T.compare(model, engine)
+    return stale["engine"] != stale["trainer"]
+
+
+# --- 1. syncing into sleeping weights (trl#5142) -------------------------------------------------
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sync_into_sleeping_weights_is_refused(lora_engine, level):
+    served = lora_model(seed=1)
+    FullSync().sync(served, lora_engine)
+    T.assert_matches(served, lora_engine, atol=ATOL)
+
+    newer = lora_model(seed=2)
+    lora_engine.sleep(level)
+    for strategy in (FullSync(), AdapterSync(), ReloadWeights()):
+        with pytest.raises(EngineAsleepError, match=r"wake_up\(tags=\['weights'\]\)"):
+            strategy.sync(newer, lora_engine)
+    syncer = Syncer(lora_engine, train_type="lora", base_sync_done=True)
+    with pytest.raises(EngineAsleepError, match="asleep"):
+        syncer.sync(newer)
+    assert syncer.base_sync_done is False  # conservatively: the next sync resends everything
+
+    # Waking only the KV cache is not enough; nothing was written so far.
+    lora_engine.wake_up(["kv_cache"])
+    with pytest.raises(EngineAsleepError):
+        syncer.sync(newer)
+    lora_engine.wake_up(["weights"])
+    if level == 1:  # level 1 kept the weights: the engine still serves the previous ones
+        T.assert_matches(served, lora_engine, atol=ATOL)
+    else:
+        T.discard_weights(lora_engine)  # what level 2 did on a GPU
+    report = syncer.sync(newer)
+    assert report.strategy.startswith("FullSync")
+    T.assert_matches(newer, lora_engine, atol=ATOL)
+
+
+def test_sleep_reported_by_the_caller_is_enforced(plain_engine):
+    """A framework that calls llm.sleep() itself tells the adapter with mark_asleep."""
+    model = full_model(seed=3)
+    FullSync().sync(model, plain_engine)
+    plain_engine.llm.sleep(level=1)
+    plain_engine.mark_asleep(1)
+    with pytest.raises(EngineAsleepError):
+        FullSync().sync(full_model(seed=4), plain_engine)
+    plain_engine.llm.wake_up()
+    plain_engine.mark_awake()
+    T.assert_matches(model, plain_engine, atol=ATOL)
+
+
+# --- 2. adapter-only after a level-2 discard (vllm#29341) ---------------------------------------
+
+
+@pytest.mark.parametrize("tell", ["sleep", "mark_asleep"])
+def test_adapter_only_after_level2_is_refused(lora_engine, tell):
+    base = lora_model(seed=5)
+    FullSync().sync(base, lora_engine)
+    T.assert_matches(base, lora_engine, atol=ATOL)
+
+    if tell == "sleep":
+        lora_engine.sleep(2)
+    else:
+        lora_engine.llm.sleep(level=2)
+        lora_engine.mark_asleep(2)
+    T.discard_weights(lora_engine)
+    lora_engine.wake_up()
+    assert lora_engine.base_discarded and lora_engine.sleep_level == 2
+
+    newer = lora_model(seed=6)
+    assert differs(newer, lora_engine)
+    with pytest.raises(BaseDiscardedError, match=r"level-2 sleep discarded.*vllm#29341"):
+        AdapterSync().sync(newer, lora_engine)  # chosen by hand
+    with pytest.raises(BaseDiscardedError):
+        AdapterSync(reason="the framework thinks the base is still there").sync(newer, lora_engine)
+    assert lora_engine.base_discarded  # nothing pretended to restore it
+
+    # The policy, told the sleep level, restores the base and the adapter.
+    strategy = policy.choose(
+        train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=lora_engine.sleep_level
+    )
+    assert isinstance(strategy, FullSync)
+    strategy.sync(newer, lora_engine, verify=True)
+    assert not lora_engine.base_discarded and lora_engine.sleep_level == 0
+    T.assert_matches(newer, lora_engine, atol=ATOL)
+
+
+def test_reload_from_checkpoint_also_restores_after_level2(lora_engine):
+    model = lora_model(seed=7)
+    FullSync().sync(model, lora_engine)
+    lora_engine.sleep(2)
+    T.discard_weights(lora_engine)
+    lora_engine.wake_up()
+    assert differs(model, lora_engine)
+    ReloadWeights().sync(model, lora_engine)
+    T.assert_matches(model, lora_engine, atol=ATOL)
+
+
+# --- 3. failure after N of M buckets, then recovery ---------------------------------------------
+
+
+def total_buckets(model, engine):
+    report = FullSync(bucket_bytes=SMALL_BUCKETS).sync(model, engine)
+    assert report.buckets >= 8, report
+    return report.buckets
+
+
+# 1: only the embeddings; 2: q_proj sent, k/v not (a fused qkv layer cut mid-way);
+# 5: gate_proj sent, up_proj not (fused gate_up cut); and the last bucket missing.
+@pytest.mark.parametrize("cut", [1, 2, 5, -1])
+def test_failure_mid_full_sync_then_strategy_recovers(plain_engine, cut):
+    old = full_model(seed=10)
+    m = total_buckets(old, plain_engine)
+    n = m - 1 if cut == -1 else cut
+    new = full_model(seed=11)
+    plain_engine.fail_after = n
+    with pytest.raises(InjectedFault):
+        FullSync(bucket_bytes=SMALL_BUCKETS).sync(new, plain_engine)
+    assert plain_engine.buckets_seen == n
+    # vLLM is still usable (it was not before weightsync cleaned up its interrupted reload:
+    # layers left on the meta device, and the next generate hung).
+    tokens, logprobs = plain_engine.greedy([1, 2, 3], 4)
+    assert len(tokens) == 4 and all(lp == lp for lp in logprobs), "NaN after an aborted sync"
+    FullSync(bucket_bytes=SMALL_BUCKETS).sync(new, plain_engine)
+    T.assert_matches(new, plain_engine, atol=ATOL)
+
+
+@pytest.fixture
+def small_policy_buckets(monkeypatch):
+    """Make the policy's FullSync stream in small buckets, so a Syncer sync has many."""
+
+    class SmallFullSync(FullSync):
+        def __init__(self, **kw):
+            super().__init__(bucket_bytes=SMALL_BUCKETS, **kw)
+
+    monkeypatch.setattr(policy, "FullSync", SmallFullSync)
+
+
+@pytest.mark.parametrize("train_type", ["full", "lora"])
+def test_syncer_recovers_after_failure_mid_sync(lora_engine, plain_engine, small_policy_buckets, train_type):
+    engine = lora_engine if train_type == "lora" else plain_engine
+    make = lora_model if train_type == "lora" else full_model
+    model = make(seed=20)
+    syncer = Syncer(engine, train_type=train_type, verify=True)
+    report = syncer.sync(model)
+    assert report.buckets >= 8 and syncer.base_sync_done
+    T.assert_matches(model, engine, atol=ATOL)
+
+    # Next step: a level-2 sleep forces a full sync (also for LoRA), which fails after 3 buckets.
+    T.perturb(model, seed=21, scale=0.3)
+    engine.sleep(2)
+    T.discard_weights(engine)
+    engine.wake_up()
+    engine.fail_after = 3
+    with pytest.raises(InjectedFault):  # not swallowed
+        syncer.sync(model)
+    assert syncer.base_sync_done is False
+    assert engine.base_discarded, "an aborted full sync must not count as a restore"
+    assert isinstance(syncer.choose(), FullSync)
+
+    report = syncer.sync(model)
+    assert syncer.base_sync_done and report.verified_logprob_diff is not None
+    T.assert_matches(model, engine, atol=ATOL)
+
+    # For LoRA the next step is adapter-only again, and follows the trainer.
+    T.perturb(model, seed=22, scale=0.3)
+    report = syncer.sync(model)
+    assert report.strategy == ("AdapterSync" if train_type == "lora" else "FullSync")
+    T.assert_matches(model, engine, atol=ATOL)
+
+
+def test_failure_mid_sync_without_sleep_resends_everything(lora_engine, small_policy_buckets):
+    """base_sync_done=True and no sleep would pick AdapterSync; after an aborted full sync the
+    engine holds a mix of old and new layers, so the Syncer must resend the base."""
+    model = lora_model(seed=23)
+    syncer = Syncer(lora_engine, train_type="lora")
+    syncer.sync(model)  # FullSync: base never pushed
+    other_base = get_peft_model(full_model(seed=24), LoraConfig(**LORA))
+    syncer.base_sync_done = False
+    lora_engine.fail_after = 4
+    with pytest.raises(InjectedFault):
+        syncer.sync(other_base)
+    assert not syncer.base_sync_done
+    strategy = syncer.choose()
+    assert isinstance(strategy, FullSync), strategy
+    syncer.sync(model)
+    T.assert_matches(model, lora_engine, atol=ATOL)
+
+
+# --- 4. stale adapter id, stale LoRARequest (ms-swift#8233) -------------------------------------
+
+
+def test_readding_the_same_adapter_id_takes_effect(lora_engine):
+    model = lora_model(seed=30)
+    FullSync().sync(model, lora_engine)
+    T.assert_matches(model, lora_engine, atol=ATOL)
+    first_id = lora_engine.lora_request.lora_int_id
+    seen = [T.compare(model, lora_engine)["engine"]]
+    for seed in (31, 32, 33):
+        T.perturb(model, seed=seed, scale=0.3)
+        assert differs(model, lora_engine)
+        AdapterSync().sync(model, lora_engine)
+        assert lora_engine.lora_request.lora_int_id == first_id  # the same id every time
+        T.assert_matches(model, lora_engine, atol=ATOL)
+        seen.append(T.compare(model, lora_engine)["engine"])
+    assert len({str(s) for s in seen}) == len(seen), "adapter updates did not change the outputs"
+
+
+def test_lora_request_held_across_a_merged_full_sync_fails_loudly(lora_engine):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    model = lora_model(seed=34)
+    FullSync(lora="separate").sync(model, lora_engine)
+    held = lora_engine.lora_request
+    assert held is not None
+
+    # Merged into the base (e.g. a framework that turned rollout LoRA off): applying the old
+    # adapter on top would count LoRA twice.
+    FullSync(lora="merge").sync(model, lora_engine)
+    assert lora_engine.lora_request is None
+    assert lora_engine.llm.llm_engine.list_loras() == set()
+    params = SamplingParams(temperature=0, max_tokens=4, detokenize=False, ignore_eos=True)
+    with pytest.raises(Exception, match="No adapter found"):
+        lora_engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=[1, 2, 3])], params, lora_request=held, use_tqdm=False
+        )
+    # vLLM leaves the failed request in its scheduler: the next generate would spin forever.
+    # Aborting it is the recovery (docs/failure-modes.md).
+    engine = lora_engine.llm.llm_engine
+    engine.abort_request(list(engine.output_processor.request_states), internal=True)
+    assert not engine.has_unfinished_requests()
+    T.assert_matches(model, lora_engine, atol=ATOL)  # merged weights, no adapter on top
+    assert isinstance(held, LoRARequest)
+
+
+# --- 5. stale prefix cache ----------------------------------------------------------------------
+
+
+def _long_prompt_tokens(engine, prompt, model_for_check=None):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=4, detokenize=False, ignore_eos=True)
+    out = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)], params, lora_request=engine.lora_request, use_tqdm=False
+    )[0]
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
+LONG = [(37 * i + 5) % 1000 for i in range(150)]  # more than one 128-token KV block
+
+
+@pytest.mark.parametrize("strategy", ["FullSync", "AdapterSync"])
+def test_prompt_cached_under_old_weights_is_answered_from_new(lora_engine, plain_engine, strategy):
+    if strategy == "FullSync":
+        engine, old, new = plain_engine, full_model(seed=40), full_model(seed=41)
+        FullSync().sync(old, engine)
+    else:
+        engine, old = lora_engine, lora_model(seed=42)
+        FullSync().sync(old, engine)
+        new = copy.deepcopy(old)
+        T.perturb(new, seed=43, scale=0.3)
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    old_tokens, _ = _long_prompt_tokens(engine, LONG)
+    again, cached = _long_prompt_tokens(engine, LONG)
+    assert cached >= 128 and again == old_tokens, "the prompt was not served from the cache"
+    assert old_tokens == T.trainer_greedy(old, LONG, 4)
+
+    (FullSync() if strategy == "FullSync" else AdapterSync()).sync(new, engine)
+    tokens, cached = _long_prompt_tokens(engine, LONG)
+    assert cached == 0, "KV computed under the old weights was reused"
+    assert tokens == T.trainer_greedy(new, LONG, 4) != old_tokens
+    T.assert_matches(new, engine, atol=ATOL)
+
+
+# --- 6. weight tying ----------------------------------------------------------------------------
+
+
+def test_untied_head_trained_apart_reaches_the_engine(plain_engine):
+    model = full_model(seed=50)
+    FullSync().sync(model, plain_engine)
+    with torch.no_grad():  # train only the head, apart from the embeddings
+        model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
+    assert differs(model, plain_engine)
+    FullSync().sync(model, plain_engine, verify=True)
+    T.assert_matches(model, plain_engine, atol=ATOL)
+
+
+def test_untied_head_as_modules_to_save_reaches_a_lora_engine(lora_engine):
+    model = lora_model(seed=51, modules_to_save=["lm_head"])
+    Syncer(lora_engine, train_type="lora").sync(model)
+    T.assert_matches(model, lora_engine, atol=ATOL)
+    T.perturb(model, seed=52, scale=0.3)  # the adapter and the head copy train
+    assert differs(model, lora_engine)
+    report = AdapterSync().sync(model, lora_engine)
+    assert report.buckets >= 1  # the head travelled as a base weight
+    T.assert_matches(model, lora_engine, atol=ATOL)
+
+
+def untied_qwen2(seed):
+    model = T.tiny_model("qwen2")
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
+    return model
+
+
+def test_tied_engine_refuses_an_untied_trainer_head(tied_engine):
+    served = full_model(seed=53, arch="qwen2")
+    FullSync().sync(served, tied_engine)
+    T.assert_matches(served, tied_engine, atol=ATOL)
+    with pytest.raises(WeightMismatchError, match="tie_word_embeddings=False"):
+        FullSync().sync(untied_qwen2(seed=54), tied_engine)
+    with pytest.raises(WeightMismatchError, match="tied embeddings"):
+        Syncer(tied_engine, train_type="full").sync(untied_qwen2(seed=54))
+    T.assert_matches(served, tied_engine, atol=ATOL)  # nothing was written
+
+
+def test_tied_engine_refuses_a_trained_head_copy(tied_engine):
+    """modules_to_save=['lm_head'] on a tied model trains a head apart from the embeddings. The
+    tied engine cannot hold both; before the fix an adapter sync sent the head alone, raised
+    nothing, and the engine served neither the trainer's head nor its embeddings."""
+    served = lora_model(seed=56, arch="qwen2")
+    FullSync().sync(served, tied_engine)
+    model = lora_model(seed=55, arch="qwen2", modules_to_save=["lm_head"])
+    with pytest.raises(WeightMismatchError, match="tie_word_embeddings=False"):
+        AdapterSync().sync(model, tied_engine)
+    with pytest.raises(WeightMismatchError, match="tie_word_embeddings=False"):
+        FullSync().sync(model, tied_engine)
+    T.assert_matches(served, tied_engine, atol=ATOL)  # nothing was written
+
+
+# --- 7. verification ----------------------------------------------------------------------------
+
+
+def test_verify_passes_on_a_good_sync(lora_engine):
+    model = lora_model(seed=60)
+    report = FullSync().sync(model, lora_engine, verify=True)
+    assert report.verified_logprob_diff is not None and report.verified_logprob_diff < 1e-3
+    T.perturb(model, seed=61, scale=0.3)
+    report = AdapterSync().sync(model, lora_engine, verify=True)
+    assert report.verified_logprob_diff < 1e-3
+    assert check_engine(model, lora_engine, strategy="manual", step=3) < 1e-3
+
+
+def test_verify_catches_gibberish(lora_engine):
+    model = lora_model(seed=62)
+    FullSync().sync(model, lora_engine)
+    T.discard_weights(lora_engine)  # a wake without restore: gibberish (vllm#29341)
+    with pytest.raises(VerificationError) as err:
+        check_engine(model, lora_engine, strategy="FullSync(lora=separate)", step=7)
+    msg = str(err.value)
+    assert "FullSync(lora=separate) at step 7" in msg
+    assert "differ from the trainer's by up to" in msg and "tolerance 0.01" in msg
+    size = float(msg.split("by up to ")[1].split(" ")[0])
+    assert size > 0.01
+
+
+def test_syncer_verify_failure_marks_base_unsynced(plain_engine):
+    model = full_model(seed=63)
+    syncer = Syncer(plain_engine, train_type="full", verify=True)
+    plain_engine.corrupt_next = True  # the write "succeeds" but the engine serves garbage
+    with pytest.raises(VerificationError, match=r"FullSync at step 0: .*differ"):
+        syncer.sync(model)
+    assert syncer.base_sync_done is False
+    report = syncer.sync(model)
+    assert syncer.base_sync_done and report.verified_logprob_diff < 1e-3
+    T.assert_matches(model, plain_engine, atol=ATOL)
