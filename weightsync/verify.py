@@ -17,9 +17,12 @@ from torch import nn
 from .engines.base import Engine
 from .errors import VerificationError
 
-# Engines and trainers run different kernels: float32 agrees to ~1e-4 in logprob, half
-# precision to a few 1e-2. A wrong weight set misses by whole nats.
-TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.25, torch.float16: 0.1}
+# Engines and trainers run different kernels, and a half-precision engine rounds every weight
+# and activation. Measured on a tiny random Qwen2 (tests/test_dtypes_vllm.py): a correct float32
+# engine differs by ~1e-5; a correct bfloat16 engine by up to 0.37 nats (fp32 or bf16 trainer),
+# while a stale adapter differs by 5.5 and discarded weights by 8.9. float16 has 3 more mantissa
+# bits than bfloat16, so its band is about 8x narrower.
+TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1.0, torch.float16: 0.25}
 
 
 def canary_prompt(vocab_size: int, length: int = 8) -> list[int]:
@@ -69,7 +72,7 @@ def check_engine(
     tokens, engine_lp = engine.greedy(prompt, max_tokens)
     ours = trainer_logprobs(model, prompt, tokens)
     diff = max_abs_diff(engine_lp, ours)
-    limit = tolerance if tolerance is not None else TOLERANCE.get(engine.dtype, 0.25)
+    limit = tolerance if tolerance is not None else TOLERANCE.get(engine.dtype, 1.0)
     if not diff <= limit:  # NaN fails too
         at = f" at step {step}" if step is not None else ""
         raise VerificationError(

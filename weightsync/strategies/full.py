@@ -70,7 +70,7 @@ class FullSync(Strategy):
             if not engine.serves_lora:
                 raise AdapterError(
                     "FullSync(lora='separate') sends base and adapter apart, but the engine does "
-                    "not serve LoRA; use lora='merge' or enable LoRA in the engine"
+                    "not serve LoRA; use lora='merge' or create the engine with enable_lora=True"
                 )
             served = adapter(model)
             engine.check_adapter(served)
