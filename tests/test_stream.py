@@ -152,3 +152,20 @@ def test_lora_on_one_name_of_a_tied_tensor():
     assert tensors["model.embed_tokens.weight"].merged
     with pytest.raises(UnsupportedModelError, match="tied"):
         stream.base_tensors(model, merge_lora=True, expected={"model.embed_tokens.weight": None})
+
+
+@pytest.mark.parametrize("setup", list(LORA_SETUPS))
+def test_adapter_tensors_match_peft_state_dict(setup):
+    from peft import get_peft_model_state_dict
+
+    arch, cfg = LORA_SETUPS[setup]
+    model = get_peft_model(tiny_model(arch), LoraConfig(**cfg))
+    perturb(model, seed=5, scale=0.2)
+    reference = {k: v for k, v in get_peft_model_state_dict(model).items() if ".lora_" in k}
+    ours = stream.adapter(model).tensors
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[k], reference[k]) for k in ours)
+    perturb(model, seed=6, scale=0.2)  # an optimizer step after the first call is seen
+    again = stream.adapter(model).tensors
+    fresh = {k: v for k, v in get_peft_model_state_dict(model).items() if ".lora_" in k}
+    assert all(torch.equal(again[k], fresh[k]) for k in again)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -252,6 +253,30 @@ class Adapter:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+# The adapter's parameters are found by walking the whole model, which costs more than writing
+# the adapter (measured: 67 ms of a 95 ms AdapterSync on a 0.5B model with peft's
+# get_peft_model_state_dict). Parameters are stable objects across optimizer steps, so the walk
+# is done once per model and adapter; ``p.detach()`` then reads each one's current data.
+_ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, nn.Parameter]]]] = (
+    WeakKeyDictionary()
+)
+
+
+def _adapter_parameters(model: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:
+    """(PEFT file key, parameter) of every LoRA factor of adapter ``name``: the parameter name
+    without the adapter's name, as ``get_peft_model_state_dict`` keys it."""
+    per_model = _ADAPTER_PARAMETERS.setdefault(model, {})
+    if name not in per_model:
+        # lora_A.<name>.weight for linear layers, lora_embedding_A.<name> for embeddings
+        inner, last = f".{name}.", f".{name}"
+        per_model[name] = [
+            (n.replace(inner, ".", 1) if inner in n else n.removesuffix(last), p)
+            for n, p in model.named_parameters()
+            if ".lora_" in n and (inner in n or n.endswith(last))
+        ]
+    return per_model[name]
+
+
 def adapter(model: nn.Module) -> Adapter:
     """The active adapter of a ``peft.PeftModel``.
 
@@ -263,16 +288,13 @@ def adapter(model: nn.Module) -> Adapter:
             f"an adapter sync needs a peft.PeftModel, got {type(model).__name__}; "
             "with train_type='full' use FullSync"
         )
-    from peft import get_peft_model_state_dict
-
     name = model.active_adapter
     cfg = model.peft_config[name]
     if getattr(cfg, "peft_type", None) is None or str(cfg.peft_type.value) != "LORA":
         raise UnsupportedModelError(f"adapter {name!r} is {cfg.peft_type}, only LoRA is supported")
     if getattr(cfg, "use_dora", False):
         raise UnsupportedModelError(f"adapter {name!r} uses DoRA, which vLLM does not serve")
-    state = get_peft_model_state_dict(model, adapter_name=name)
-    tensors = {k: v.detach() for k, v in state.items() if ".lora_" in k}
+    tensors = {key: p.detach() for key, p in _adapter_parameters(model, name)}
     config = cfg.to_dict()
     # modules_to_save travel as base weights; an engine given them in the adapter would either
     # reject them or apply them twice.
