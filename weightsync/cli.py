@@ -17,7 +17,8 @@ def demo(arch: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from peft import LoraConfig, get_peft_model
 
-    from . import Syncer
+    from . import AdapterSync, Syncer
+    from .errors import BaseDiscardedError
     from . import testing as T
     from .engines import VLLMEngine
 
@@ -45,6 +46,11 @@ def demo(arch: str) -> None:
                     T.discard_weights(engine)
                 engine.wake_up()
             show("before sync", model, engine)
+            if level == 2:
+                try:  # what an adapter-only sync after a level-2 wake would do: refused
+                    AdapterSync().sync(model, engine)
+                except BaseDiscardedError as err:
+                    print(f"  an adapter-only sync is refused: {str(err)[:90]}...")
             report = syncer.sync(model)
             print(f"  chose {report.strategy}: {report.reason}")
             print(f"  sent {report.tensors} tensors, {report.bytes / 1e6:.2f} MB in {report.seconds * 1e3:.1f} ms; "
