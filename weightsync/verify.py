@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .engines.base import Engine
-from .errors import VerificationError
+from .errors import EngineAsleepError, VerificationError
 
 # Engines and trainers run different kernels, and a half-precision engine rounds every weight
 # and activation. Measured on a tiny random Qwen2 (tests/test_dtypes_vllm.py): a correct float32
@@ -66,7 +66,16 @@ def check_engine(
 
     Raises:
         VerificationError: the difference is above ``tolerance`` (default: by engine dtype).
+        EngineAsleepError: the engine's KV cache is asleep, so it cannot generate (vLLM keeps
+            its scheduler paused until every tag is awake: the canary would wait forever).
     """
+    if "kv_cache" in engine._asleep:
+        raise EngineAsleepError(
+            f"{strategy}: cannot verify while the engine's KV cache is asleep (vLLM's scheduler "
+            "stays paused until every tag is awake, so the canary would never run); call "
+            "wake_up(tags=['kv_cache']) before verifying. With the trl#5142 order (wake "
+            "'weights', sync, wake 'kv_cache') sync without verify and call check_engine after."
+        )
     config = getattr(model, "config", None) or model.get_base_model().config
     prompt = canary_prompt(config.vocab_size)
     tokens, engine_lp = engine.greedy(prompt, max_tokens)
