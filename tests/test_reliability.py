@@ -477,6 +477,21 @@ def test_verify_catches_gibberish(lora_engine):
     assert size > 0.01
 
 
+def test_verify_while_kv_cache_asleep_is_refused_not_hung(lora_engine):
+    """vLLM keeps its scheduler paused until every tag is awake: verifying between the
+    'weights' and 'kv_cache' wakes (trl#5142 order) would wait forever. It raises instead."""
+    model = lora_model(seed=64)
+    lora_engine.sleep(1)
+    lora_engine.wake_up(["weights"])
+    syncer = Syncer(lora_engine, train_type="lora", verify=True)
+    with pytest.raises(EngineAsleepError, match="KV cache is asleep"):
+        syncer.sync(model)
+    assert not syncer.base_sync_done
+    lora_engine.wake_up(["kv_cache"])
+    assert check_engine(model, lora_engine, strategy="after wake") < 1e-3
+    T.assert_matches(model, lora_engine, atol=ATOL)
+
+
 def test_syncer_verify_failure_marks_base_unsynced(plain_engine):
     model = full_model(seed=63)
     syncer = Syncer(plain_engine, train_type="full", verify=True)
