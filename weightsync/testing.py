@@ -151,8 +151,7 @@ def compare(
     """Engine vs trainer on ``prompts``: both token lists and the largest logprob difference."""
     engine = adapt(engine)
     result: dict[str, Any] = {"engine": [], "trainer": [], "max_logprob_diff": 0.0}
-    for prompt in prompts:
-        tokens, logprobs = engine.greedy(prompt, max_tokens)
+    for prompt, (tokens, logprobs) in zip(prompts, engine.greedy_batch(prompts, max_tokens)):
         result["engine"].append(tokens)
         result["trainer"].append(trainer_greedy(model, prompt, max_tokens))
         ours = trainer_logprobs(model, prompt, tokens)

@@ -101,9 +101,16 @@ class Engine(ABC):
         ``path`` is None. Returns the engine calls made."""
 
     @abstractmethod
+    def greedy_batch(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """Greedy-decode ``max_tokens`` tokens for each prompt (with the served adapter, if
+        any), in one engine call, and return them with their logprobs. Used to verify a sync
+        against the trainer."""
+
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """Greedy-decode ``max_tokens`` tokens (with the served adapter, if any) and return
-        them with their logprobs. Used to verify a sync against the trainer."""
+        """:meth:`greedy_batch` for one prompt."""
+        return self.greedy_batch([prompt_ids], max_tokens)[0]
 
     # --- lifecycle ----------------------------------------------------------------------------
 

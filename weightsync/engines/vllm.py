@@ -288,21 +288,27 @@ class VLLMEngine(Engine):
         self._lora_request = None
         shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
 
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    def greedy_batch(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
         )
-        out = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt_ids))],
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
             params,
             lora_request=self._lora_request,
             use_tqdm=False,
-        )[0].outputs[0]
-        tokens = list(out.token_ids)
-        return tokens, [step[tok].logprob for tok, step in zip(tokens, out.logprobs)]
+        )
+        results = []
+        for out in outputs:
+            tokens = list(out.outputs[0].token_ids)
+            logprobs = [step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs)]
+            results.append((tokens, logprobs))
+        return results
 
     # --- lifecycle ----------------------------------------------------------------------------
 
