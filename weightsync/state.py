@@ -42,7 +42,9 @@ class Syncer:
         prefer_reload: restore a discarded base from the engine's checkpoint (see policy).
         base_sync_done: start as if the base were synced (e.g. the engine was started from the
             very checkpoint the trainer loaded, as verl assumes unless load_format is "dummy").
-        verify: check every sync on a canary prompt (see :mod:`weightsync.verify`).
+        verify: check every sync on a canary prompt (see :mod:`weightsync.verify`). The canary
+            is generated, so the KV cache must be awake at sync time; with the split wake of the
+            example, leave this off and call ``verify.check_engine`` after the KV wake.
     """
 
     def __init__(

@@ -69,7 +69,7 @@ def check_engine(
         EngineAsleepError: the engine's KV cache is asleep, so it cannot generate (vLLM keeps
             its scheduler paused until every tag is awake: the canary would wait forever).
     """
-    if "kv_cache" in engine._asleep:
+    if "kv_cache" in engine.asleep:
         raise EngineAsleepError(
             f"{strategy}: cannot verify while the engine's KV cache is asleep (vLLM's scheduler "
             "stays paused until every tag is awake, so the canary would never run); call "

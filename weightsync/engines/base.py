@@ -143,6 +143,11 @@ class Engine(ABC):
         self._asleep -= set(tags) if tags is not None else self._asleep
 
     @property
+    def asleep(self) -> frozenset[str]:
+        """The memory tags ("weights", "kv_cache") asleep now."""
+        return frozenset(self._asleep)
+
+    @property
     def sleep_level(self) -> int:
         """The deepest sleep level since the last completed base restore (0: none)."""
         return self._deepest_sleep
