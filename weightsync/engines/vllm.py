@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,8 @@ class VLLMEngine(Engine):
         self._expected = shapes
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
+        if adapter_dir is None:  # a folder we made on tmpfs (RAM): remove it with the adapter
+            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
         self.lora_id = lora_id
         self.lora_name = lora_name
         self._lora_request = None
