@@ -29,7 +29,7 @@ import torch
 
 from weightsync import AdapterSync, FullSync, ReloadWeights
 from weightsync.stream import DEFAULT_BUCKET_BYTES, base_tensors, buckets
-from weightsync.verify import TOLERANCE, canary_prompt, trainer_logprobs
+from weightsync.verify import TOLERANCE, canary_prompt, max_abs_diff, trainer_logprobs
 
 from . import anchors
 from .measure import PeakRSS, measure
@@ -195,8 +195,8 @@ class Bench:
         tokens, engine_lp = eng.greedy(prompt, 8)
         ref, control = self._reference(row.model)
         tol = TOLERANCE.get(eng.dtype, 0.25)
-        diff = _max_diff(engine_lp, self._trainer_lp(ref, prompt, tokens))
-        control_diff = _max_diff(engine_lp, self._trainer_lp(control, prompt, tokens))
+        diff = max_abs_diff(engine_lp, self._trainer_lp(ref, prompt, tokens))
+        control_diff = max_abs_diff(engine_lp, self._trainer_lp(control, prompt, tokens))
         trainer_tokens = self._trainer_greedy(ref, prompt, len(tokens))
         out = {
             "passed": bool(diff <= tol and control_diff > tol),
@@ -214,7 +214,7 @@ class Bench:
             # and check again -- the row stays failed, this only records the cause.
             refresh_lm_head(eng.llm)
             tokens, engine_lp = eng.greedy(prompt, 8)
-            after = _max_diff(engine_lp, self._trainer_lp(ref, prompt, tokens))
+            after = max_abs_diff(engine_lp, self._trainer_lp(ref, prompt, tokens))
             out["diagnosis"] = {
                 "stale_tied_lm_head": after <= tol,
                 "max_logprob_diff_after_lm_head_repack": after,
@@ -323,10 +323,6 @@ class _nullctx:
         return False
 
 
-def _max_diff(a, b) -> float:
-    return float(max(abs(x - y) for x, y in zip(a, b)))
-
-
 _INTERESTING = [
     ("weightsync: plan + check (base_tensors, check_names)", ("base_tensors", "check_names")),
     ("weightsync: materialise buckets", ("buckets",)),
@@ -401,7 +397,7 @@ def drift(cycles: int, *, shape: str = "tiny", engine=None, log=print, tick=lamb
 def _engine_diff(model, engine) -> float:
     prompt = canary_prompt(model.get_base_model().config.vocab_size, 8)
     tokens, lp = engine.greedy(prompt, 8)
-    return _max_diff(lp, trainer_logprobs(model, prompt, tokens))
+    return max_abs_diff(lp, trainer_logprobs(model, prompt, tokens))
 
 
 # --- peak memory at a second size -----------------------------------------------------------------

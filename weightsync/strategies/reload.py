@@ -94,7 +94,8 @@ def write_snapshot(tensors: list[Tensor], engine: Engine, folder: Path, bucket_b
         old.unlink()
     # A tied tensor is stored once, under its first name, as a checkpoint stores it (safetensors
     # refuses shared storage); the engine's reload sends it under its other names.
-    written: set[int] = set()
-    unique = [t for t in tensors if not (t.source in written or written.add(t.source))]
-    for i, bucket in enumerate(buckets(unique, engine.dtype, bucket_bytes)):
+    unique: dict[int, Tensor] = {}
+    for t in tensors:
+        unique.setdefault(t.source, t)
+    for i, bucket in enumerate(buckets(list(unique.values()), engine.dtype, bucket_bytes)):
         save_file({name: t.contiguous() for name, t in bucket}, str(folder / f"weights-{i:05d}.safetensors"))
