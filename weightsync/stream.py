@@ -20,29 +20,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .plan import Adapter, Tensor, nbytes, numel
 
 # vLLM's reload buffers whole layers until every tensor of a layer has arrived; sending tensors
 # in module (= layer) order keeps that buffer to one layer. 512 MiB is the bucket size the
 # peers converged on (verl, sglang): large enough that per-call overhead vanishes.
 DEFAULT_BUCKET_BYTES = 512 << 20
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor the engine will receive: its checkpoint name, shape, and how to produce it."""
-
-    name: str
-    shape: tuple[int, ...]
-    produce: Callable[[torch.dtype], torch.Tensor]
-    merged: bool = False
-    source: int = 0  # id() of the trainer parameter it comes from: tied names share it
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -219,38 +208,6 @@ def buckets(
         size += nbytes
     if current:
         yield [(c.name, c.produce(dtype)) for c in current]
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def nbytes(tensors: list[Tensor], dtype: torch.dtype) -> int:
-    """Bytes ``tensors`` occupy in ``dtype``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(itemsize * numel(t.shape) for t in tensors)
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """The active LoRA adapter in PEFT's on-disk form: what an engine serving LoRA loads.
-
-    ``tensors`` are keyed as in ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``)
-    and share storage with the trainer. ``modules_to_save`` copies are not part of it: they are
-    full weights (see :func:`trained_copies`).
-    """
-
-    name: str
-    config: dict
-    tensors: dict[str, torch.Tensor]
-    rank: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 # The adapter's parameters are found by walking the whole model, which costs more than writing

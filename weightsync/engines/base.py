@@ -19,9 +19,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import BaseDiscardedError, EngineAsleepError
-from ..stream import Adapter
+from ..plan import Adapter, Bucket
 
-Bucket = list[tuple[str, torch.Tensor]]
 
 
 class Engine(ABC):

@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..engines.base import Bucket, Engine, adapt
+from ..engines.base import Engine, adapt
 from ..errors import WeightMismatchError
-from ..stream import Tensor
+from ..plan import Bucket, Tensor
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from ..errors import AdapterError
-from ..stream import Adapter
-from .base import Bucket, Engine, register
+from ...errors import AdapterError
+from ...plan import Adapter, Bucket
+from ..base import Engine, register
 
 
 def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,152 @@
+"""What travels between the trainer side and the engine side, and the plan of one sync.
+
+A sync is two steps: a strategy *plans* it (every name, shape and dtype that will be written,
+which tensors are merged, the adapter and its config as the engine will load it), checking the
+plan against the engine; then the plan is *executed*. Every refusal happens while planning, so
+a refused sync has written nothing and the engine still serves what it had. ``print(plan)`` is
+the short explanation a person debugging a run wants to read.
+
+These types import nothing from the engine side or the trainer side, so both can use them, and
+so can code loaded inside an engine's own processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+#: What a weight stream is cut into: (checkpoint name, tensor) pairs materialised together.
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor the engine will receive: its checkpoint name, shape, and how to produce it.
+
+    ``produce(dtype)`` materialises it when its bucket is reached (a merged LoRA weight is
+    computed then, not at planning time). ``source`` identifies the trainer tensor it comes
+    from: names that share one (tied embeddings) share it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    produce: Callable[[torch.dtype], torch.Tensor]
+    merged: bool = False
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter in PEFT's on-disk form, as the engine will load it.
+
+    ``tensors`` are keyed as in ``adapter_model.safetensors``
+    (``base_model.model.<module>.lora_A.weight``) and share storage with the trainer. ``config``
+    is the ``adapter_config.json`` the engine reads: the trainer's config translated to what the
+    engine serves (see :mod:`weightsync.peft_support`). ``modules_to_save`` copies are not part
+    of it: they are full weights, sent through the weight stream.
+    """
+
+    name: str
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def nbytes(tensors: tuple[Tensor, ...] | list[Tensor], dtype: torch.dtype) -> int:
+    """Bytes ``tensors`` occupy in ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(itemsize * numel(t.shape) for t in tensors)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one sync will write, in order, decided and checked before the first write.
+
+    Executing a plan does, in this order and nothing else: write ``snapshot`` (a checkpoint
+    folder of ``weights``) and have the engine reload it, or have the engine reload
+    ``reload_from``, or stream ``weights``; then load ``adapter``. See
+    :func:`weightsync.strategies.base.execute`.
+
+    Attributes:
+        strategy: the strategy's label (``FullSync(lora=merge)``).
+        reason: why this strategy was chosen.
+        engine: a one-line description of the engine the plan was checked against.
+        dtype: the dtype weights are cast to, once, on the trainer side.
+        weights: the weights streamed (or written to the snapshot), in stream order.
+        reload_from: a checkpoint folder the engine re-reads instead of a stream (None: none).
+        snapshot: ``reload_from`` is a snapshot of ``weights`` to write first.
+        adapter: the adapter loaded after the base (None: none).
+        restores_base: once executed, every base weight of the engine equals the trainer's.
+        bucket_bytes: the size weights are materialised and sent in.
+        notes: decisions a reader should see (merged layers, tied names, translated options).
+    """
+
+    strategy: str
+    reason: str
+    engine: str
+    dtype: torch.dtype
+    weights: tuple[Tensor, ...] = ()
+    reload_from: str | None = None
+    snapshot: bool = False
+    adapter: Adapter | None = None
+    restores_base: bool = False
+    bucket_bytes: int = 512 << 20
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def weight_bytes(self) -> int:
+        return nbytes(self.weights, self.dtype)
+
+    @property
+    def writes(self) -> bool:
+        """Whether executing this plan writes anything into the engine."""
+        return bool(self.weights or self.reload_from or self.adapter)
+
+    def __str__(self) -> str:
+        lines = [f"{self.strategy} into {self.engine}", f"  why: {self.reason}"]
+        if self.reload_from and not self.snapshot:
+            lines.append(f"  1. the engine reloads its checkpoint {self.reload_from}")
+        elif self.weights:
+            merged = sum(t.merged for t in self.weights)
+            how = f"write a snapshot to {self.reload_from}, the engine reloads it" if self.snapshot else "stream"
+            lines.append(
+                f"  1. {how}: {len(self.weights)} weights, {_mib(self.weight_bytes)} in "
+                f"{str(self.dtype).removeprefix('torch.')}"
+                + (f", {merged} with LoRA merged in (float32, cast once)" if merged else "")
+            )
+            lines += [f"       {t.name} {list(t.shape)}{' (merged)' if t.merged else ''}" for t in self.weights[:3]]
+            if len(self.weights) > 3:
+                lines.append(f"       ... {len(self.weights) - 3} more, in layer order")
+        if self.adapter is not None:
+            a = self.adapter
+            step = 2 if (self.weights or self.reload_from) else 1
+            lines.append(
+                f"  {step}. load adapter {a.name!r}: rank {a.rank}, {len(a.tensors)} tensors, "
+                f"{_mib(a.nbytes)}, targets {sorted(_targets(a))}"
+            )
+        if not self.writes:
+            lines.append("  nothing to write")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _targets(adapter: Adapter) -> set[str]:
+    return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in adapter.tensors}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
