@@ -111,6 +111,18 @@ class Engine(ABC):
         """:meth:`greedy_batch` for one prompt."""
         return self.greedy_batch([prompt_ids], max_tokens)[0]
 
+    @abstractmethod
+    def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
+        """The engine's prompt logprobs (teacher forcing, with the served adapter, if any), in
+        one engine call, computed under the weights served now (no cached KV reused).
+
+        For each prompt, one dict per position ``i`` in ``1 .. len(prompt) - 1``: token id ->
+        logprob of the engine's next-token distribution after ``prompt[:i]``, holding
+        ``prompt[i]`` and the ``top_k`` most likely tokens (vLLM ``prompt_logprobs=top_k``).
+        Verification compares these with the trainer's over many positions, which sees a
+        defect far below what a few greedy tokens show (a one-step-stale head in bf16).
+        """
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     @abstractmethod
@@ -129,6 +141,17 @@ class Engine(ABC):
         self._engine_wake(tags)
         self.mark_awake(tags)
 
+    def _observe(self) -> None:
+        """Fold in sleeps and wakes made on the engine without this adapter.
+
+        Frameworks sleep the engine themselves (TRL calls ``llm.sleep(level=2)`` in its
+        ``__init__`` and after every generate). An adapter that can see those calls records them
+        here with :meth:`mark_asleep` / :meth:`mark_awake`; one that sees a sleep but not its
+        level must record level 2, the level that discards the base. Called before the sleep
+        state is read. The default sees nothing: such an engine relies on :meth:`sleep` and
+        :meth:`mark_asleep`.
+        """
+
     def mark_asleep(self, level: int) -> None:
         """Record a sleep the caller made on the engine directly (without :meth:`sleep`)."""
         if level not in (1, 2):
@@ -144,16 +167,19 @@ class Engine(ABC):
     @property
     def asleep(self) -> frozenset[str]:
         """The memory tags ("weights", "kv_cache") asleep now."""
+        self._observe()
         return frozenset(self._asleep)
 
     @property
     def sleep_level(self) -> int:
         """The deepest sleep level since the last completed base restore (0: none)."""
+        self._observe()
         return self._deepest_sleep
 
     @property
     def base_discarded(self) -> bool:
         """A level-2 sleep threw the base away and nothing has restored it yet."""
+        self._observe()
         return self._base_discarded
 
     def check_writable(self, *, restores_base: bool, strategy: str) -> None:
@@ -164,6 +190,7 @@ class Engine(ABC):
             BaseDiscardedError: a level-2 sleep discarded the base and ``strategy`` does not
                 restore all of it.
         """
+        self._observe()
         if "weights" in self._asleep:
             raise EngineAsleepError(
                 f"{strategy}: the engine's weights are asleep; call wake_up(tags=['weights']) "

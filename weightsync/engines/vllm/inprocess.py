@@ -91,6 +91,38 @@ def _abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None
     finalize_layerwise_reload(model, model_config)
 
 
+def _watch_sleeps(engine: VLLMEngine) -> None:
+    """Record every sleep and wake of ``engine``'s vLLM, however it is made.
+
+    ``LLM.sleep``, ``llm_engine.sleep`` and the engine core's own sleep all end in the model
+    executor's ``sleep(level)`` / ``wake_up(tags)``, the one place that knows the level. The
+    executor instance's two methods are wrapped to tell the adapter (held weakly, so an adapter
+    that goes away does not keep recording). The sleep is recorded before it happens, so a sleep
+    that fails part-way still counts.
+    """
+    executor = engine._executor
+    ref = weakref.ref(engine)
+    sleep, wake_up = executor.sleep, executor.wake_up
+
+    def recorded_sleep(level: int = 1) -> Any:
+        adapter = ref()
+        if adapter is not None and level >= 1:
+            adapter.mark_asleep(min(level, 2))
+            adapter._sleep_seen = True
+        return sleep(level)
+
+    def recorded_wake_up(tags: list[str] | None = None) -> Any:
+        result = wake_up(tags)
+        adapter = ref()
+        if adapter is not None:
+            # vLLM ignores a wake naming a tag that is not asleep: trust its tags, not ours.
+            adapter.mark_awake([t for t in ("weights", "kv_cache") if t not in executor.sleeping_tags])
+        return result
+
+    executor.sleep = recorded_sleep
+    executor.wake_up = recorded_wake_up
+
+
 @register
 class VLLMEngine(Engine):
     """An in-process ``vllm.LLM`` as a weightsync engine.
@@ -157,6 +189,9 @@ class VLLMEngine(Engine):
         self.lora_name = lora_name
         self._lora_request = None
         self._lora_modules: set[str] | None = None
+        self._executor = llm.llm_engine.engine_core.engine_core.model_executor
+        self._sleep_seen = False
+        _watch_sleeps(self)
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -315,8 +350,42 @@ class VLLMEngine(Engine):
 
     # --- lifecycle ----------------------------------------------------------------------------
 
+    def _observe(self) -> None:
+        # Sleeps go through the executor's sleep, which _watch_sleeps records with its level.
+        # Sleeping tags the watch did not see (the engine was asleep before this adapter was
+        # made, or a worker was slept through collective_rpc) have an unknown level: assume 2.
+        tags = self._executor.sleeping_tags
+        if not tags:
+            self._sleep_seen = False
+        elif not self._sleep_seen:
+            self.mark_asleep(2)
+            self._asleep &= set(tags)
+            self._sleep_seen = True
+
     def _engine_sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
 
     def _engine_wake(self, tags: list[str] | None) -> None:
         self.llm.wake_up(tags=tags)
+
+    # --- verification ---------------------------------------------------------------------------
+
+    def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is
+        # computed under the weights served now. One token is generated because vLLM must.
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            params,
+            lora_request=self._lora_request,
+            use_tqdm=False,
+        )
+        return [
+            [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
+            for out in outputs
+        ]
