@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -27,7 +28,8 @@ class Tensor:
 
     ``produce(dtype)`` materialises it when its bucket is reached (a merged LoRA weight is
     computed then, not at planning time). ``source`` identifies the trainer tensor it comes
-    from: names that share one (tied embeddings) share it.
+    from: names that share one (tied embeddings) share it. ``held`` is the dtype of a tensor
+    the trainer holds as it is; ``produce(held)`` then reads the trainer's memory, no copy.
     """
 
     name: str
@@ -35,6 +37,7 @@ class Tensor:
     produce: Callable[[torch.dtype], torch.Tensor]
     merged: bool = False
     source: int = 0
+    held: torch.dtype | None = None  # the dtype the trainer holds it in (None: computed)
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,10 @@ def nbytes(tensors: tuple[Tensor, ...] | list[Tensor], dtype: torch.dtype) -> in
 class Plan:
     """Everything one sync will write, in order, decided and checked before the first write.
 
-    Executing a plan does, in this order and nothing else: write ``snapshot`` (a checkpoint
-    folder of ``weights``) and have the engine reload it, or have the engine reload
-    ``reload_from``, or stream ``weights``; then load ``adapter``. See
-    :func:`weightsync.strategies.base.execute`.
+    Executing a plan does, in this order and nothing else: with ``reload="snapshot"``, write
+    ``weights`` as a checkpoint into ``snapshot_dir`` and have the engine reload that folder;
+    otherwise have the engine reload its own checkpoint (``reload="checkpoint"``), then stream
+    ``weights``; last, load ``adapter``. See :func:`weightsync.strategies.base.execute`.
 
     Attributes:
         strategy: the strategy's label (``FullSync(lora=merge)``).
@@ -86,8 +89,9 @@ class Plan:
         engine: a one-line description of the engine the plan was checked against.
         dtype: the dtype weights are cast to, once, on the trainer side.
         weights: the weights streamed (or written to the snapshot), in stream order.
-        reload_from: a checkpoint folder the engine re-reads instead of a stream (None: none).
-        snapshot: ``reload_from`` is a snapshot of ``weights`` to write first.
+        reload: ``"checkpoint"`` (the engine re-reads the checkpoint it started from),
+            ``"snapshot"`` (``weights`` go through a checkpoint folder), or None.
+        snapshot_dir: the folder of a ``"snapshot"`` reload.
         adapter: the adapter loaded after the base (None: none).
         restores_base: once executed, every base weight of the engine equals the trainer's.
         bucket_bytes: the size weights are materialised and sent in.
@@ -99,8 +103,8 @@ class Plan:
     engine: str
     dtype: torch.dtype
     weights: tuple[Tensor, ...] = ()
-    reload_from: str | None = None
-    snapshot: bool = False
+    reload: Literal["checkpoint", "snapshot"] | None = None
+    snapshot_dir: str | None = None
     adapter: Adapter | None = None
     restores_base: bool = False
     bucket_bytes: int = 512 << 20
@@ -113,32 +117,36 @@ class Plan:
     @property
     def writes(self) -> bool:
         """Whether executing this plan writes anything into the engine."""
-        return bool(self.weights or self.reload_from or self.adapter)
+        return bool(self.weights or self.reload or self.adapter)
 
     def __str__(self) -> str:
         lines = [f"{self.strategy} into {self.engine}", f"  why: {self.reason}"]
-        if self.reload_from and not self.snapshot:
-            lines.append(f"  1. the engine reloads its checkpoint {self.reload_from}")
-        elif self.weights:
+        steps = []
+        if self.reload == "checkpoint":
+            steps.append("the engine reloads the checkpoint it was started from")
+        if self.weights:
             merged = sum(t.merged for t in self.weights)
-            how = f"write a snapshot to {self.reload_from}, the engine reloads it" if self.snapshot else "stream"
-            lines.append(
-                f"  1. {how}: {len(self.weights)} weights, {_mib(self.weight_bytes)} in "
+            how = (
+                f"write a snapshot into {self.snapshot_dir} and have the engine reload it"
+                if self.reload == "snapshot"
+                else "stream"
+            )
+            steps.append(
+                f"{how}: {len(self.weights)} weights, {_mib(self.weight_bytes)} in "
                 f"{str(self.dtype).removeprefix('torch.')}"
                 + (f", {merged} with LoRA merged in (float32, cast once)" if merged else "")
             )
-            lines += [f"       {t.name} {list(t.shape)}{' (merged)' if t.merged else ''}" for t in self.weights[:3]]
-            if len(self.weights) > 3:
-                lines.append(f"       ... {len(self.weights) - 3} more, in layer order")
         if self.adapter is not None:
             a = self.adapter
-            step = 2 if (self.weights or self.reload_from) else 1
-            lines.append(
-                f"  {step}. load adapter {a.name!r}: rank {a.rank}, {len(a.tensors)} tensors, "
+            steps.append(
+                f"load adapter {a.name!r}: rank {a.rank}, {len(a.tensors)} tensors, "
                 f"{_mib(a.nbytes)}, targets {sorted(_targets(a))}"
             )
-        if not self.writes:
-            lines.append("  nothing to write")
+        lines += [f"  {i}. {step}" for i, step in enumerate(steps, 1)] or ["  nothing to write"]
+        shown = [f"{t.name} {list(t.shape)}{' (merged)' if t.merged else ''}" for t in self.weights[:3]]
+        if len(self.weights) > 3:
+            shown.append(f"... {len(self.weights) - 3} more, in layer order")
+        lines += [f"     {line}" for line in shown]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -25,6 +25,8 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
+from .convert import checkpoint_layout, lora_parameters, merged_parameter, to_checkpoint
+from . import peft_support
 from .errors import UnsupportedModelError
 from .plan import Adapter, Tensor, nbytes, numel
 
@@ -52,25 +54,20 @@ def _plain(t: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
 
 
 def _lora_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
-    """scale * (B @ A) for one adapter of one LoRA layer, in float32, in the base weight's layout."""
-    if layer.use_dora.get(adapter, False):
-        raise UnsupportedModelError(
-            f"adapter {adapter!r} uses DoRA; merging DoRA out of place is not implemented. "
-            "Serve it unmerged or train plain LoRA."
-        )
+    """scale * (B @ A) for one adapter of one LoRA layer, in float32, in the base weight's layout.
+
+    Only the layer types :mod:`weightsync.peft_support` allows reach here (checked when the
+    plan is made): a linear layer (``fan_in_fan_out`` for GPT-2's Conv1D) or an embedding.
+    """
     scale = layer.scaling[adapter]
-    if adapter in getattr(layer, "lora_A", {}):
+    if adapter in layer.lora_A:
         a = layer.lora_A[adapter].weight.detach().float()
         b = layer.lora_B[adapter].weight.detach().float()
-        if a.dim() == 2 and b.dim() == 2:
-            delta = (b @ a) * scale
-            return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
-    elif adapter in getattr(layer, "lora_embedding_A", {}):
-        a = layer.lora_embedding_A[adapter].detach().float()
-        b = layer.lora_embedding_B[adapter].detach().float()
-        return (b @ a).T * scale
-    # Any other LoRA layer type (convolutions, ...): peft's own delta, promoted to float32.
-    return layer.get_delta_weight(adapter).detach().float()
+        delta = (b @ a) * scale
+        return delta.T if layer.fan_in_fan_out else delta
+    a = layer.lora_embedding_A[adapter].detach().float()
+    b = layer.lora_embedding_B[adapter].detach().float()
+    return (b @ a).T * scale
 
 
 def _merged_weight(layer: nn.Module, weight: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
@@ -97,6 +94,14 @@ def _merged_bias(layer: nn.Module, bias: torch.Tensor) -> Callable[[torch.dtype]
     return produce
 
 
+def _require_floating(name: str, p: torch.Tensor) -> None:
+    if not p.is_floating_point():
+        raise UnsupportedModelError(
+            f"{name} is stored as {p.dtype} (a quantized layer); weightsync streams "
+            "floating-point weights only. Dequantize the model before syncing."
+        )
+
+
 def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> None:
     """Append every weight below ``module`` to ``out``, under its checkpoint name."""
     from peft.tuners.lora import LoraLayer
@@ -109,23 +114,27 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
         return
     if isinstance(module, LoraLayer):
         base = module.get_base_layer()
-        merging = merge and not module.disable_adapters
+        # What peft's forward computes: the base alone when adapters are disabled or already
+        # merged into it in place (merge_adapter()), else base + every active adapter.
+        merging = merge and not module.disable_adapters and not module.merged
         has_lora_bias = any(getattr(module, "lora_bias", {}).get(a) for a in module.active_adapters)
+        # peft target_parameters (fused experts): LoRA on a bare parameter, merged per expert
+        wrapped = lora_parameters(module) if merging else {}
         for pname, p in base.named_parameters(recurse=False):
-            if not p.is_floating_point():
-                raise UnsupportedModelError(
-                    f"{prefix}{pname} is stored as {p.dtype} (a quantized base layer); weightsync "
-                    "streams floating-point weights only. Dequantize the base before syncing."
-                )
-            if merging and pname == "weight":
+            _require_floating(prefix + pname, p)
+            if pname in wrapped:
+                merged = merged_parameter(wrapped[pname], p, prefix + pname)
+                out.append(Tensor(prefix + pname, tuple(p.shape), merged, True, id(p)))
+            elif merging and pname == "weight":
                 out.append(Tensor(prefix + pname, tuple(p.shape), _merged_weight(module, p), True, id(p)))
             elif merging and pname == "bias" and has_lora_bias:
                 out.append(Tensor(prefix + pname, tuple(p.shape), _merged_bias(module, p), True, id(p)))
             else:
-                out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p)))
+                out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype))
         return
     for pname, p in module.named_parameters(recurse=False):
-        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p)))
+        _require_floating(prefix + pname, p)
+        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype))
     for cname, child in module.named_children():
         _walk(child, f"{prefix}{cname}.", merge, out)
 
@@ -143,8 +152,12 @@ def base_tensors(
             ``embed_tokens``) is sent under every one of its names the engine expects, and under
             its first name when the engine expects none of them (so the mismatch is reported).
     """
+    if _is_peft(model):  # refuse what the walk would not reproduce (DoRA, unknown layers, ...)
+        peft_support.check(model, "merge" if merge_lora else "serve")
     found: list[Tensor] = []
     _walk(inner_model(model), "", merge_lora, found)
+    # In-memory layout -> checkpoint layout (fused MoE experts -> one tensor per expert)
+    found = to_checkpoint(found, checkpoint_layout(inner_model(model)))
     by_param: dict[int, list[Tensor]] = {}
     for t in found:
         by_param.setdefault(t.source, []).append(t)
@@ -178,7 +191,7 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
         if isinstance(module, ModulesToSaveWrapper) and not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
-                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p), source=id(p)))
+                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p), source=id(p), held=p.dtype))
     return out
 
 
@@ -212,52 +225,47 @@ def buckets(
 
 # The adapter's parameters are found by walking the whole model, which costs more than writing
 # the adapter (measured: 67 ms of a 95 ms AdapterSync on a 0.5B model with peft's
-# get_peft_model_state_dict). Parameters are stable objects across optimizer steps, so the walk
-# is done once per model and adapter; ``p.detach()`` then reads each one's current data.
-_ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, nn.Parameter]]]] = (
+# get_peft_model_state_dict). So the walk is done once per model and adapter, and what is kept
+# is where each factor lives (module path, attribute), never the parameter object: a parameter
+# replaced since (``load_state_dict(..., assign=True)``, an optimizer that swaps tensors) is
+# read where it is now. Resolving a path costs a few attribute lookups.
+_ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, str, str]]]] = (
     WeakKeyDictionary()
 )
 
 
-def _adapter_parameters(model: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:
-    """(PEFT file key, parameter) of every LoRA factor of adapter ``name``: the parameter name
-    without the adapter's name, as ``get_peft_model_state_dict`` keys it."""
+def _adapter_parameters(model: nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
+    """(PEFT file key, current tensor) of every LoRA factor of adapter ``name``: the parameter
+    name without the adapter's name, as ``get_peft_model_state_dict`` keys it."""
     per_model = _ADAPTER_PARAMETERS.setdefault(model, {})
     if name not in per_model:
         # lora_A.<name>.weight for linear layers, lora_embedding_A.<name> for embeddings
         inner, last = f".{name}.", f".{name}"
         per_model[name] = [
-            (n.replace(inner, ".", 1) if inner in n else n.removesuffix(last), p)
-            for n, p in model.named_parameters()
+            (n.replace(inner, ".", 1) if inner in n else n.removesuffix(last), *n.rsplit(".", 1))
+            for n, _ in model.named_parameters()
             if ".lora_" in n and (inner in n or n.endswith(last))
         ]
-    return per_model[name]
+    return [
+        (key, getattr(model.get_submodule(path), attr).detach())
+        for key, path, attr in per_model[name]
+    ]
 
 
 def adapter(model: nn.Module) -> Adapter:
-    """The active adapter of a ``peft.PeftModel``.
+    """The active adapter of a ``peft.PeftModel``, as an engine serving LoRA loads it.
 
     Raises:
-        UnsupportedModelError: ``model`` is not a PEFT LoRA model, or uses DoRA.
+        UnsupportedModelError: ``model`` is not a PEFT model, or its set-up cannot be served
+            exactly (see :func:`weightsync.peft_support.check`).
     """
     if not _is_peft(model):
         raise UnsupportedModelError(
             f"an adapter sync needs a peft.PeftModel, got {type(model).__name__}; "
             "with train_type='full' use FullSync"
         )
-    name = model.active_adapter
+    (name,) = peft_support.check(model, "serve").adapters
     cfg = model.peft_config[name]
-    if getattr(cfg, "peft_type", None) is None or str(cfg.peft_type.value) != "LORA":
-        raise UnsupportedModelError(f"adapter {name!r} is {cfg.peft_type}, only LoRA is supported")
-    if getattr(cfg, "use_dora", False):
-        raise UnsupportedModelError(f"adapter {name!r} uses DoRA, which vLLM does not serve")
-    tensors = {key: p.detach() for key, p in _adapter_parameters(model, name)}
-    config = cfg.to_dict()
-    # modules_to_save travel as base weights; an engine given them in the adapter would either
-    # reject them or apply them twice.
-    config["modules_to_save"] = None
-    for key, value in config.items():
-        if isinstance(value, set):
-            config[key] = sorted(value)
+    tensors = dict(_adapter_parameters(model, name))
     rank = max([cfg.r, *getattr(cfg, "rank_pattern", {}).values()])
-    return Adapter(name=name, config=config, tensors=tensors, rank=rank)
+    return Adapter(name=name, config=peft_support.served_config(cfg), tensors=tensors, rank=rank)

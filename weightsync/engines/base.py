@@ -70,6 +70,18 @@ class Engine(ABC):
     def serves_lora(self) -> bool:
         """The engine applies a LoRA adapter at generation time (vLLM ``enable_lora``)."""
 
+    def describe(self) -> str:
+        """One line naming the engine, for plans and logs."""
+        lora = ", serves LoRA" if self.serves_lora else ""
+        return f"{self.name} engine ({str(self.dtype).removeprefix('torch.')}{lora})"
+
+    def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The first row of each named tensor in the checkpoint :meth:`reload_checkpoint`
+        reloads, for a cheap check that the trainer's base is still that checkpoint. An engine
+        that cannot read its checkpoint returns ``{}`` (the check then rests on the PEFT set-up
+        alone)."""
+        return {}
+
     # --- writing ------------------------------------------------------------------------------
 
     @abstractmethod

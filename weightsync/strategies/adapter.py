@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..engines.base import Engine
-from ..stream import DEFAULT_BUCKET_BYTES, adapter, buckets, trained_copies
-from .base import Strategy, _Tally, check_names
+from ..plan import Adapter, Plan, Tensor
+from ..stream import DEFAULT_BUCKET_BYTES, adapter, trained_copies
+from .base import Strategy, check_names
 
 
 class AdapterSync(Strategy):
@@ -28,20 +29,23 @@ class AdapterSync(Strategy):
     restores_base = False
     default_reason = "adapter-only sync requested"
 
-    def _sync(self, model: nn.Module, engine: Engine, tally: _Tally) -> None:
-        send_adapter(model, engine, tally)
+    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
+        served, copies = adapter_part(model, engine)
+        return Plan(
+            strategy=self.label,
+            reason=self.reason,
+            engine=engine.describe(),
+            dtype=engine.dtype,
+            weights=tuple(copies),
+            adapter=served,
+            bucket_bytes=DEFAULT_BUCKET_BYTES,
+        )
 
 
-def send_adapter(model: nn.Module, engine: Engine, tally: _Tally) -> None:
-    """Check, then load the adapter of ``model`` and any ``modules_to_save`` copies."""
+def adapter_part(model: nn.Module, engine: Engine) -> tuple[Adapter, list[Tensor]]:
+    """The adapter of ``model`` and its ``modules_to_save`` copies, checked against ``engine``."""
     served = adapter(model)
     engine.check_adapter(served)
     copies = trained_copies(model)
     check_names(copies, engine, complete=False)
-    if copies:
-        tally.engine_calls += engine.load_weights(
-            tally.count(buckets(copies, engine.dtype, DEFAULT_BUCKET_BYTES))
-        )
-    tally.engine_calls += engine.load_adapter(served)
-    tally.tensors += len(served.tensors)
-    tally.bytes += served.nbytes
+    return served, copies

@@ -1,9 +1,11 @@
 """The Strategy interface: one way of bringing an engine in step with the trainer.
 
-A strategy is small and stateless apart from its options: ``sync(model, engine)`` checks
-everything it can *before* writing (engine awake, names, shapes, adapter rank), writes, and
-returns a :class:`SyncReport`. What a framework must remember between syncs (has the base been
-pushed?) lives in :class:`weightsync.Syncer`, not here.
+A sync is a plan, then its execution. ``plan(model, engine)`` decides everything that will be
+written and checks it against the engine (engine awake, PEFT set-up allowed, names, shapes,
+tied names, the adapter as the engine will load it); every refusal is raised there, so a refused
+sync has written nothing. :func:`execute` then writes exactly the plan, the same way for every
+strategy: strategies differ only in what they plan. What a framework must remember between
+syncs (has the base been pushed?) lives in :class:`weightsync.Syncer`, not here.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from ..engines.base import Engine, adapt
 from ..errors import WeightMismatchError
-from ..plan import Bucket, Tensor
-
+from ..plan import Bucket, Plan, Tensor, numel
+from ..stream import buckets
 
 @dataclass(frozen=True)
 class SyncReport:
@@ -28,6 +32,7 @@ class SyncReport:
     Attributes:
         strategy: the strategy's name (with its mode, e.g. ``FullSync(lora=merge)``).
         reason: why it was chosen (from :func:`weightsync.policy.choose`, or its default).
+        plan: the plan that was executed (``print(report.plan)`` explains it).
         tensors: tensors written into the engine (adapter tensors included).
         bytes: bytes written into the engine, in the dtype they were sent in.
         seconds: wall time of the sync, checks included, verification excluded.
@@ -44,13 +49,15 @@ class SyncReport:
     engine_calls: int
     buckets: int = 0
     verified_logprob_diff: float | None = None
+    plan: Plan | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The figures, without the plan (which holds references to the trainer's tensors)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
 
 
 @dataclass
-class _Tally:
+class Tally:
     tensors: int = 0
     bytes: int = 0
     engine_calls: int = 0
@@ -70,7 +77,7 @@ class Strategy(ABC):
 
     Subclasses set ``name`` and ``restores_base`` (whether a completed sync leaves every base
     weight of the engine equal to the trainer's: only such a strategy may follow a level-2
-    sleep) and implement :meth:`_sync`.
+    sleep) and implement :meth:`_plan`.
     """
 
     name: ClassVar[str]
@@ -88,8 +95,19 @@ class Strategy(ABC):
     def __repr__(self) -> str:
         return f"<{self.label}: {self.reason}>"
 
+    def plan(self, model: nn.Module, engine: Engine | Any) -> Plan:
+        """Decide what this sync would write and check it against ``engine``; write nothing.
+
+        Raises:
+            EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError,
+            UnsupportedModelError: the sync cannot reproduce the trainer in this engine.
+        """
+        engine = adapt(engine)
+        engine.check_writable(restores_base=self.restores_base, strategy=self.label)
+        return self._plan(model, engine)
+
     def sync(self, model: nn.Module, engine: Engine | Any, *, verify: bool = False) -> SyncReport:
-        """Make ``engine`` serve what ``model`` computes.
+        """Make ``engine`` serve what ``model`` computes: :meth:`plan`, then :func:`execute`.
 
         Args:
             model: a transformers causal LM or a ``peft.PeftModel``; never modified.
@@ -99,36 +117,87 @@ class Strategy(ABC):
                 model's and raise :class:`~weightsync.errors.VerificationError` on mismatch.
 
         Raises:
-            EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError,
-            UnsupportedModelError: before anything is written.
+            Whatever :meth:`plan` raises, before anything is written; whatever the engine
+            raises while writing (the base is then unsynced).
         """
         engine = adapt(engine)
-        engine.check_writable(restores_base=self.restores_base, strategy=self.label)
         start = time.perf_counter()
-        tally = _Tally()
-        self._sync(model, engine, tally)
-        seconds = time.perf_counter() - start
-        if self.restores_base:
-            engine.base_restored()
-        diff = None
+        report = execute(self.plan(model, engine), engine, started=start)
         if verify:
             from ..verify import check_engine
 
             diff = check_engine(model, engine, strategy=self.label)
-        return SyncReport(
-            strategy=self.label,
-            reason=self.reason,
-            tensors=tally.tensors,
-            bytes=tally.bytes,
-            seconds=seconds,
-            engine_calls=tally.engine_calls,
-            buckets=tally.buckets,
-            verified_logprob_diff=diff,
-        )
+            report = SyncReport(**{**report.to_dict(), "verified_logprob_diff": diff}, plan=report.plan)
+        return report
 
     @abstractmethod
-    def _sync(self, model: nn.Module, engine: Engine, tally: _Tally) -> None:
-        """Check, then write; record what was sent in ``tally``."""
+    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
+        """Everything this strategy would write into ``engine``, checked; raise if impossible."""
+
+
+def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -> SyncReport:
+    """Write ``plan`` into ``engine``, exactly and in its order (see :class:`~weightsync.plan.Plan`).
+
+    The sleep guard is checked again, since the engine may have slept since the plan was made.
+    If a write fails part-way the error propagates and the engine holds a mix of old and new
+    weights: the base must be treated as unsynced (``Syncer`` does).
+    """
+    engine = adapt(engine)
+    engine.check_writable(restores_base=plan.restores_base, strategy=plan.strategy)
+    start = time.perf_counter() if started is None else started
+    tally = Tally()
+    if plan.reload == "snapshot":
+        assert plan.snapshot_dir is not None
+        write_snapshot(plan.weights, plan.dtype, Path(plan.snapshot_dir), plan.bucket_bytes)
+        tally.engine_calls += engine.reload_checkpoint(plan.snapshot_dir)
+        tally.tensors += len(plan.weights)
+        tally.bytes += plan.weight_bytes
+    else:
+        if plan.reload == "checkpoint":
+            tally.engine_calls += engine.reload_checkpoint()
+            tally.tensors += len(engine.expected_weights)
+            tally.bytes += _expected_bytes(engine)
+        if plan.weights:
+            stream = tally.count(buckets(list(plan.weights), plan.dtype, plan.bucket_bytes))
+            tally.engine_calls += engine.load_weights(stream)
+    if plan.adapter is not None:
+        tally.engine_calls += engine.load_adapter(plan.adapter)
+        tally.tensors += len(plan.adapter.tensors)
+        tally.bytes += plan.adapter.nbytes
+    if plan.restores_base:
+        engine.base_restored()
+    return SyncReport(
+        strategy=plan.strategy,
+        reason=plan.reason,
+        tensors=tally.tensors,
+        bytes=tally.bytes,
+        seconds=time.perf_counter() - start,
+        engine_calls=tally.engine_calls,
+        buckets=tally.buckets,
+        plan=plan,
+    )
+
+
+def _expected_bytes(engine: Engine) -> int:
+    """Bytes of every weight the engine loads, in its dtype."""
+    itemsize = torch.empty((), dtype=engine.dtype).element_size()
+    return sum(numel(shape) * itemsize for shape in engine.expected_weights.values())
+
+
+def write_snapshot(tensors: Iterable[Tensor], dtype: torch.dtype, folder: Path, bucket_bytes: int) -> None:
+    """Write ``tensors`` as safetensors shards into ``folder``, replacing earlier shards."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    # A tied tensor is stored once, under its first name, as a checkpoint stores it (safetensors
+    # refuses shared storage); the engine's reload sends it under its other names.
+    unique: dict[int, Tensor] = {}
+    for t in tensors:
+        unique.setdefault(t.source, t)
+    for i, bucket in enumerate(buckets(list(unique.values()), dtype, bucket_bytes)):
+        save_file({name: t.contiguous() for name, t in bucket}, str(folder / f"weights-{i:05d}.safetensors"))
 
 
 def check_names(tensors: list[Tensor], engine: Engine, *, complete: bool) -> None:

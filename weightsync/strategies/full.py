@@ -6,11 +6,13 @@ from typing import Literal
 
 from torch import nn
 
+from .. import peft_support
 from ..engines.base import Engine
 from ..errors import AdapterError
-from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors, buckets
+from ..plan import Plan
+from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors
 from ..stream import _is_peft as is_peft
-from .base import Strategy, _Tally, check_names
+from .base import Strategy, check_names
 
 LoraMode = Literal["merge", "separate"]
 
@@ -22,8 +24,9 @@ class FullSync(Strategy):
     ``peft.PeftModel`` it has two modes:
 
     - ``lora="merge"``: the engine does not serve LoRA. Each targeted weight is sent as
-      ``W + scale * B @ A``, computed out of place in float32 and cast once; the trainer's
-      weights are untouched.
+      ``W + scale * B @ A`` (summed over the active adapters), computed out of place in float32
+      and cast once; the trainer's weights are untouched. A layer merged in place by the caller
+      (``merge_adapter()``) is sent as it is: that is what the trainer computes.
     - ``lora="separate"``: the engine serves LoRA. The base is sent unmerged, then the adapter
       is loaded in place -- never merged *and* applied (LoRA counted twice, ms-swift#8233).
 
@@ -62,10 +65,13 @@ class FullSync(Strategy):
     def label(self) -> str:
         return f"FullSync(lora={self.lora})" if self.lora else "FullSync"
 
-    def _sync(self, model: nn.Module, engine: Engine, tally: _Tally) -> None:
+    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
         mode = self.lora or ("separate" if engine.serves_lora else "merge")
         peft = is_peft(model)
         served = None
+        notes: tuple[str, ...] = ()
+        if peft:
+            notes = peft_support.check(model, "serve" if mode == "separate" else "merge").notes
         if peft and mode == "separate":
             if not engine.serves_lora:
                 raise AdapterError(
@@ -78,10 +84,14 @@ class FullSync(Strategy):
             model, merge_lora=peft and mode == "merge", expected=engine.expected_weights
         )
         check_names(tensors, engine, complete=True)
-        tally.engine_calls += engine.load_weights(
-            tally.count(buckets(tensors, engine.dtype, self.bucket_bytes))
+        return Plan(
+            strategy=self.label,
+            reason=self.reason,
+            engine=engine.describe(),
+            dtype=engine.dtype,
+            weights=tuple(tensors),
+            adapter=served,
+            restores_base=True,
+            bucket_bytes=self.bucket_bytes,
+            notes=notes,
         )
-        if served is not None:
-            tally.engine_calls += engine.load_adapter(served)
-            tally.tensors += len(served.tensors)
-            tally.bytes += served.nbytes

@@ -7,12 +7,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import peft_support
 from ..engines.base import Engine
 from ..errors import UnsupportedModelError
-from ..stream import DEFAULT_BUCKET_BYTES, Tensor, adapter, base_tensors, buckets, nbytes, numel
+from ..plan import Plan, Tensor
+from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors
 from ..stream import _is_peft as is_peft
-from .adapter import send_adapter
-from .base import Strategy, _Tally, check_names
+from .adapter import adapter_part
+from .base import Strategy, check_names
+
+#: How many base tensors the checkpoint comparison samples (first row of each, spread evenly).
+SAMPLED_TENSORS = 32
 
 
 class ReloadWeights(Strategy):
@@ -23,8 +28,10 @@ class ReloadWeights(Strategy):
     - ``snapshot_dir=None``: the engine's *original* checkpoint. Right only when the trainer's
       base is that checkpoint, untouched: LoRA training with the engine serving the adapter.
       It restores a base discarded by a level-2 sleep without sending it from trainer memory.
-      With full training or merged LoRA it would silently serve stale weights (trl#5312), so it
-      refuses to run then.
+      Whenever the trainer's base can differ from the checkpoint it is refused, so it never
+      serves stale weights (trl#5312): full training, merged LoRA, an initialisation that
+      rewrote the base (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), a base parameter left trainable,
+      or a base whose sampled values differ from the checkpoint's.
     - ``snapshot_dir=<folder>``: the trainer writes its current weights there as safetensors
       (merged, or base only when the engine serves LoRA), a bucket per file, and the engine
       reloads that folder. Always valid; it costs a write and a read of the model through the
@@ -52,8 +59,16 @@ class ReloadWeights(Strategy):
     def label(self) -> str:
         return "ReloadWeights(snapshot)" if self.snapshot_dir else "ReloadWeights(checkpoint)"
 
-    def _sync(self, model: nn.Module, engine: Engine, tally: _Tally) -> None:
+    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
         separate = is_peft(model) and engine.serves_lora
+        common = dict(
+            strategy=self.label,
+            reason=self.reason,
+            engine=engine.describe(),
+            dtype=engine.dtype,
+            restores_base=True,
+            bucket_bytes=self.bucket_bytes,
+        )
         if self.snapshot_dir is None:
             if not separate:
                 raise UnsupportedModelError(
@@ -62,40 +77,68 @@ class ReloadWeights(Strategy):
                     "the weights): the engine would serve stale weights. Use FullSync, or "
                     "ReloadWeights(snapshot_dir=...) to reload the trainer's current weights."
                 )
-            engine.check_adapter(adapter(model))
-            tally.engine_calls += engine.reload_checkpoint()
-            tally.bytes += nbytes_expected(engine)
-            tally.tensors += len(engine.expected_weights)
-        else:
-            tensors = base_tensors(model, merge_lora=not separate, expected=engine.expected_weights)
-            check_names(tensors, engine, complete=True)
-            if separate:
-                engine.check_adapter(adapter(model))
-            write_snapshot(tensors, engine, self.snapshot_dir, self.bucket_bytes)
-            tally.engine_calls += engine.reload_checkpoint(str(self.snapshot_dir))
-            tally.bytes += nbytes(tensors, engine.dtype)
-            tally.tensors += len(tensors)
-        if separate:
-            send_adapter(model, engine, tally)
+            _require_untouched_base(model, engine)
+            served, copies = adapter_part(model, engine)
+            return Plan(**common, reload="checkpoint", weights=tuple(copies), adapter=served)
+        notes: tuple[str, ...] = ()
+        if is_peft(model):
+            notes = peft_support.check(model, "serve" if separate else "merge").notes
+        served = adapter(model) if separate else None
+        if served is not None:
+            engine.check_adapter(served)
+        tensors = base_tensors(model, merge_lora=not separate, expected=engine.expected_weights)
+        check_names(tensors, engine, complete=True)
+        return Plan(
+            **common,
+            reload="snapshot",
+            snapshot_dir=str(self.snapshot_dir),
+            weights=tuple(tensors),
+            adapter=served,
+            notes=notes,
+        )
 
 
-def nbytes_expected(engine: Engine) -> int:
-    """Bytes of every weight the engine loads, in its dtype."""
-    itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    return sum(numel(shape) * itemsize for shape in engine.expected_weights.values())
+def _require_untouched_base(model: nn.Module, engine: Engine) -> None:
+    """Refuse unless the trainer's base is still the checkpoint the engine would reload."""
+    setup = peft_support.check(model, "serve")
+    why = []
+    if setup.rewrites_base:
+        why.append(setup.notes[0])
+    trainable = [
+        n for n, p in model.named_parameters()
+        if p.requires_grad and ".lora_" not in n and ".modules_to_save." not in n
+    ]
+    if trainable:
+        why.append(f"base parameters are trainable ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''})")
+    if not why:
+        why += _sampled_differences(base_tensors(model, merge_lora=False, expected=engine.expected_weights), engine)
+    if why:
+        raise UnsupportedModelError(
+            "ReloadWeights from the engine's own checkpoint would restore a base the trainer no "
+            "longer has: " + "; ".join(why) + ". Use FullSync (base + adapter) or "
+            "ReloadWeights(snapshot_dir=...)."
+        )
 
 
-def write_snapshot(tensors: list[Tensor], engine: Engine, folder: Path, bucket_bytes: int) -> None:
-    """Write ``tensors`` as safetensors shards into ``folder``, replacing earlier shards."""
-    from safetensors.torch import save_file
+def _sampled_differences(tensors: list[Tensor], engine: Engine) -> list[str]:
+    """Compare the first row of up to :data:`SAMPLED_TENSORS` base tensors with the checkpoint.
 
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.safetensors"):
-        old.unlink()
-    # A tied tensor is stored once, under its first name, as a checkpoint stores it (safetensors
-    # refuses shared storage); the engine's reload sends it under its other names.
-    unique: dict[int, Tensor] = {}
-    for t in tensors:
-        unique.setdefault(t.source, t)
-    for i, bucket in enumerate(buckets(list(unique.values()), engine.dtype, bucket_bytes)):
-        save_file({name: t.contiguous() for name, t in bucket}, str(folder / f"weights-{i:05d}.safetensors"))
+    Exact, in the less precise of the two dtypes (a bf16 trainer loaded from a float32
+    checkpoint holds the checkpoint rounded once). Tensors the trainer holds in another dtype are
+    skipped rather than copied; an engine that cannot read its checkpoint returns nothing.
+    """
+    held = [t for t in tensors if t.held is not None]
+    step = max(1, len(held) // SAMPLED_TENSORS)
+    sample = held[::step][:SAMPLED_TENSORS]
+    heads = engine.checkpoint_head([t.name for t in sample])
+    differ = []
+    for t in sample:
+        if t.name not in heads:
+            continue
+        ours = t.produce(t.held)
+        ours = ours[0] if ours.dim() > 1 else ours[: heads[t.name].numel()]
+        theirs = heads[t.name]
+        low = max((ours.dtype, theirs.dtype), key=lambda d: torch.finfo(d).eps)
+        if not torch.equal(ours.to(low), theirs.to(low)):
+            differ.append(t.name)
+    return [f"the trainer's base differs from the checkpoint at {', '.join(differ[:3])}"] if differ else []

@@ -22,11 +22,9 @@ Why these engine calls and not others (see also ``docs/engines.md``):
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,36 +33,8 @@ import torch
 from ...errors import AdapterError
 from ...plan import Adapter, Bucket
 from ..base import Engine, register
-
-
-def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ValueError(
-            f"no *.safetensors files in {folder!r}, so the weights this engine loads are unknown "
-            "and a sync could not be checked before writing. Pass checkpoint=<folder with the "
-            "model's safetensors> to VLLMEngine."
-        )
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():
-                shapes[key] = tuple(h.get_slice(key).get_shape())
-    return shapes
-
-
-def _read_with_twins(folder: str, twins: Mapping[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():
-                tensor = h.get_tensor(key)
-                yield key, tensor
-                for twin in twins.get(key, ()):
-                    yield twin, tensor
+from ..scratch import scratch_dir
+from . import checkpoint as ckpt
 
 
 def _shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
@@ -164,8 +134,12 @@ class VLLMEngine(Engine):
         self._model_config = config.model_config
         self._lora_config = config.lora_config
         # vLLM repoints model_config.model at any folder it reloads from: remember the original.
-        self.checkpoint = checkpoint or self._model_config.model
-        shapes = _checkpoint_shapes(self.checkpoint)
+        self.checkpoint = checkpoint or ckpt.local_folder(
+            self._model_config.model, self._model_config.revision
+        )
+        self._load_config = config.load_config
+        self._files = ckpt.weight_files(self.checkpoint, self._load_config)
+        shapes = ckpt.shapes(self._files)
         # A tied engine shares one parameter between lm_head and embed_tokens, and the
         # checkpoint stores it once. vLLM's layerwise reload restores each module on its own,
         # so the twin left out of the stream keeps its old values: both names must be sent.
@@ -181,10 +155,7 @@ class VLLMEngine(Engine):
                     self._twins.setdefault(known[0], []).append(name)
             self._shared.append(tuple(names))
         self._expected = shapes
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
-        if adapter_dir is None:  # a folder we made on tmpfs (RAM): remove it with the adapter
-            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
+        self._adapter_root = Path(adapter_dir) if adapter_dir else scratch_dir(self, "adapter")
         self.lora_id = lora_id
         self.lora_name = lora_name
         self._lora_request = None
@@ -248,11 +219,12 @@ class VLLMEngine(Engine):
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         folder = path or self.checkpoint
-        if self._twins and not set(self._expected) <= set(_checkpoint_shapes(folder)):
+        files = self._files if path is None else ckpt.weight_files(folder, self._load_config)
+        if self._twins and not set(self._expected) <= set(ckpt.shapes(files)):
             # vLLM's own reload from disk leaves a tied twin (lm_head) stale, because the
             # checkpoint stores the shared tensor once (measured on vLLM 0.32). Read the files
             # here instead and send each shared tensor under every name.
-            return self.load_weights([_read_with_twins(folder, self._twins)])
+            return self.load_weights([ckpt.read_with_twins(files, self._twins)])
         self._forget_adapter()
         self._reload({"weights_path": folder})
         return 1
@@ -277,6 +249,13 @@ class VLLMEngine(Engine):
             self._lora_modules = self.llm.apply_model(collect)[0]
         return self._lora_modules
 
+    def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return ckpt.heads(self._files, names)
+
+    def describe(self) -> str:
+        lora = f", serves LoRA up to rank {self._lora_config.max_lora_rank}" if self.serves_lora else ""
+        return f"in-process vLLM on {self.checkpoint} ({str(self.dtype).removeprefix('torch.')}{lora})"
+
     def check_adapter(self, adapter: Adapter) -> None:
         if not self.serves_lora:
             raise AdapterError(
@@ -290,6 +269,14 @@ class VLLMEngine(Engine):
                 f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's "
                 f"max_lora_rank={limit}; create the LLM with max_lora_rank>={adapter.rank}"
             )
+        # vLLM's own validation of the adapter config, run now rather than inside add_lora
+        # after the base was written (it refuses DoRA, lora_bias, some init values, ...).
+        from vllm.lora.peft_helper import PEFTHelper
+
+        try:
+            PEFTHelper.from_dict(adapter.config).validate_legal(self._lora_config)
+        except (ValueError, TypeError) as err:
+            raise AdapterError(f"vLLM refuses adapter {adapter.name!r}: {err}") from err
         targets = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter.tensors}
         unsupported = sorted(targets - self._supported_lora_modules())
         if unsupported:
@@ -299,11 +286,47 @@ class VLLMEngine(Engine):
                 "adapter instead (FullSync(lora='merge'))"
             )
 
+    #: Load adapters from memory when this vLLM allows it (see ``lora.py``); False forces the
+    #: folder path (vLLM's public ``add_lora``), the fallback, kept for parity tests.
+    adapter_from_memory: bool = True
+
     def load_adapter(self, adapter: Adapter) -> int:
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         self.check_adapter(adapter)
+        # The config exactly as vLLM would read it back from adapter_config.json.
+        config = json.loads(json.dumps(adapter.config, default=str))
+        if self._memory_load_supported():
+            from .lora import install_adapter, memory_lora_path
+
+            # An older folder could otherwise be reloaded by a held request after eviction.
+            shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
+            self.llm.collective_rpc(
+                install_adapter,
+                kwargs={"tensors": adapter.tensors, "config": config, "lora_int_id": self.lora_id},
+            )
+            path = memory_lora_path(self.lora_name, self.lora_id)
+        else:
+            path = str(self._write_adapter_folder(adapter, config))
+            self.llm.llm_engine.add_lora(
+                LoRARequest(self.lora_name, self.lora_id, path, load_inplace=True)
+            )
+        self._lora_request = LoRARequest(self.lora_name, self.lora_id, path)
+        self.llm.reset_prefix_cache()
+        return 1
+
+    def _memory_load_supported(self) -> bool:
+        if not self.adapter_from_memory:
+            return False
+        if getattr(self, "_memory_load_ok", None) is None:
+            from .lora import supports_memory_load
+
+            self._memory_load_ok = all(self.llm.collective_rpc(supports_memory_load))
+        return self._memory_load_ok
+
+    def _write_adapter_folder(self, adapter: Adapter, config: dict) -> Path:
+        from safetensors.torch import save_file
+
         folder = self._adapter_root / "adapter"
         staging = self._adapter_root / "adapter.new"
         shutil.rmtree(staging, ignore_errors=True)
@@ -312,15 +335,10 @@ class VLLMEngine(Engine):
             {k: v.contiguous() for k, v in adapter.tensors.items()},
             str(staging / "adapter_model.safetensors"),
         )
-        (staging / "adapter_config.json").write_text(json.dumps(adapter.config, default=str))
+        (staging / "adapter_config.json").write_text(json.dumps(config))
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
-        self.llm.llm_engine.add_lora(
-            LoRARequest(self.lora_name, self.lora_id, str(folder), load_inplace=True)
-        )
-        self._lora_request = LoRARequest(self.lora_name, self.lora_id, str(folder))
-        self.llm.reset_prefix_cache()
-        return 1
+        return folder
 
     def _forget_adapter(self) -> None:
         self._lora_request = None

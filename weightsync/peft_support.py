@@ -1,0 +1,254 @@
+"""Which PEFT set-ups weightsync reproduces exactly, and what it refuses: an allowlist.
+
+A PEFT option weightsync does not know could change what the trainer computes in a way the
+engine would not reproduce, silently. So every ``LoraConfig`` option and every PEFT module type
+is listed here with how it is handled, and a set-up is checked against the list before a plan is
+made:
+
+- an option at its default value is fine whatever it is;
+- an option listed as ``inert`` does not change what a trained model computes (metadata, training
+  only, or which modules were wrapped, which the walk reads from the modules themselves);
+- ``exact`` options are reproduced exactly in both modes (merged into the weights by weightsync,
+  or served by the engine);
+- ``merge`` options are reproduced when weightsync merges, refused when the engine serves the
+  adapter (the engine cannot apply them);
+- ``init`` options only decide the adapter's initial values; the base-rewriting ones (PiSSA,
+  OLoRA, CorDA, LoftQ, LoRA-GA) also rewrite the base weights, which is exact for every sync
+  that sends the trainer's base but rules out reloading the engine's original checkpoint;
+- anything else at a non-default value, including options this table has never heard of (a newer
+  peft), is refused, naming the option and what to do instead.
+
+``docs/peft-support.md`` is this table in prose, with the test behind each row;
+``tests/test_peft_support.py`` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+Mode = Literal["merge", "serve"]
+Handling = Literal["inert", "exact", "merge", "init", "refused"]
+
+#: LoraConfig option -> (handling, why). Options absent from the table are refused when set.
+OPTIONS: dict[str, tuple[Handling, str]] = {
+    # Bookkeeping: what the config says about itself.
+    "task_type": ("inert", "metadata"),
+    "peft_type": ("inert", "checked apart: only LORA adapters are synced"),
+    "auto_mapping": ("inert", "metadata"),
+    "peft_version": ("inert", "metadata"),
+    "base_model_name_or_path": ("inert", "metadata"),
+    "revision": ("inert", "metadata"),
+    "inference_mode": ("inert", "freezes the adapter; does not change its output"),
+    "runtime_config": ("inert", "placement of tensors during training"),
+    "lora_dropout": ("inert", "dropout is off when the trainer generates (eval mode)"),
+    # Which modules are wrapped: the walk reads the wrapped modules themselves.
+    "target_modules": ("inert", "the wrapped modules are read from the model"),
+    "exclude_modules": ("inert", "the wrapped modules are read from the model"),
+    "layers_to_transform": ("inert", "the wrapped modules are read from the model"),
+    "layers_pattern": ("inert", "the wrapped modules are read from the model"),
+    # The LoRA math.
+    "r": ("exact", "rank; the engine must allow it (max_lora_rank)"),
+    "lora_alpha": ("exact", "part of the scale, read from each layer"),
+    "use_rslora": ("exact", "part of the scale, read from each layer"),
+    "rank_pattern": ("exact", "per-module rank, read from each layer"),
+    "alpha_pattern": ("exact", "per-module alpha, read from each layer"),
+    "modules_to_save": ("exact", "trained full copies, sent as base weights in both modes"),
+    "fan_in_fan_out": ("merge", "transposed (Conv1D) layouts are merged; serving them is untested"),
+    "bias": ("merge", "trained base biases are full weights: sent by a full sync, not by an adapter"),
+    "lora_bias": ("merge", "a bias on lora_B is merged into the base bias; vLLM cannot serve it"),
+    # Initialisation only.
+    "init_lora_weights": ("init", "initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA rewrite the base"),
+    "loftq_config": ("init", "LoftQ initialisation settings"),
+    "eva_config": ("init", "EVA initialisation settings"),
+    "corda_config": ("init", "CorDA initialisation settings"),
+    "lora_ga_config": ("init", "LoRA-GA initialisation settings"),
+    # Everything below changes the forward pass in ways weightsync does not reproduce.
+    "use_dora": ("refused", "DoRA rescales each weight by a learned magnitude; not merged, not served by vLLM"),
+    "layer_replication": ("refused", "replicated layers change the architecture the engine runs"),
+    "trainable_token_indices": ("refused", "trainable token rows are a separate PEFT layer type"),
+    "target_parameters": ("refused", "LoRA on raw parameters (MoE experts) is not merged yet"),
+    "megatron_config": ("refused", "Megatron-parallel LoRA layers are not walked"),
+    "use_qalora": ("refused", "quantization-aware LoRA needs the quantized base"),
+    "alora_invocation_tokens": ("refused", "activated LoRA depends on the prompt, not only the weights"),
+    "velora_config": ("refused", "VeLoRA changes the layer"),
+    "monteclora_config": ("refused", "MonteCLoRA samples its adapter"),
+    "arrow_config": ("refused", "Arrow routes between adapters per token"),
+    "kasa_config": ("refused", "KaSA changes the layer"),
+    "use_bdlora": ("refused", "block-diagonal LoRA is a different layer"),
+    "ensure_weight_tying": ("refused", "tied trainable copies are untested"),
+    # Only read when their option above is set.
+    "megatron_core": ("inert", "only read with megatron_config"),
+    "qalora_group_size": ("inert", "only read with use_qalora"),
+}
+
+#: init_lora_weights values that overwrite the base weights when the adapter is created.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+def _default(field: dataclasses.Field) -> object:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def rewrites_base(config: object) -> bool:
+    """Whether the adapter's initialisation overwrote the base weights it wraps."""
+    init = getattr(config, "init_lora_weights", True)
+    return isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS)
+
+
+def config_problems(config: object, mode: Mode) -> list[str]:
+    """Every option of one ``LoraConfig`` that ``mode`` cannot reproduce, each saying why."""
+    problems = []
+    if str(getattr(getattr(config, "peft_type", None), "value", "")) != "LORA":
+        return [f"peft_type={getattr(config, 'peft_type', None)}: only LoRA adapters are synced"]
+    for field in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, field.name)
+        if _same(value, _default(field)):
+            continue
+        handling, why = OPTIONS.get(field.name, ("refused", "an option weightsync does not know"))
+        if handling == "refused" or (handling == "merge" and mode == "serve"):
+            advice = "merge the adapter (an engine without LoRA)" if handling == "merge" else "train without it"
+            problems.append(f"{field.name}={value!r}: {why}; {advice}")
+    return problems
+
+
+_EMPTY = (None, {}, [], (), "")
+
+
+def _same(value: object, default: object) -> bool:
+    """``value`` is the option's default (``None`` and an empty container count as one)."""
+    try:
+        return bool(value == default) or (value in _EMPTY and default in _EMPTY)
+    except Exception:  # a value that does not compare (a tensor): treat it as set
+        return False
+
+
+# --- module types -------------------------------------------------------------------------------
+
+
+def _module_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(LoRA layer types walked exactly, PEFT wrapper types walked exactly)."""
+    from peft.tuners.lora import layer as lora
+    from peft.utils import ModulesToSaveWrapper
+
+    return (lora.Linear, lora.Embedding), (ModulesToSaveWrapper,)
+
+
+def module_problems(model: nn.Module, mode: Mode) -> list[str]:
+    """PEFT modules in ``model`` whose type or state weightsync cannot reproduce, one line per
+    kind of problem with the modules it concerns."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    layers, wrappers = _module_types()
+    found: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            if type(module) not in layers:
+                kind = f"{type(module).__module__}.{type(module).__name__}"
+                found.setdefault(f"PEFT layer type {kind} is not synced", []).append(name)
+                continue
+            variants = {type(v).__name__ for a, v in module.lora_variant.items() if a in module.active_adapters}
+            if variants:
+                found.setdefault(f"LoRA variant {sorted(variants)} is not synced", []).append(name)
+            if module.merged and mode == "serve":
+                found.setdefault(
+                    "the adapter is merged into the base in place (merge_adapter()); an engine "
+                    "serving the adapter would apply it twice. Call unmerge_adapter() before syncing",
+                    [],
+                ).append(name)
+            if module.merged and module.disable_adapters:
+                found.setdefault("adapters disabled while merged; call unmerge_adapter() first", []).append(name)
+        elif isinstance(module, AuxiliaryTrainingWrapper) and type(module) not in wrappers:
+            found.setdefault(f"PEFT wrapper {type(module).__name__} is not synced", []).append(name)
+    return [f"{problem} ({_few(names)})" for problem, names in found.items()]
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the trainer's PEFT model runs, once checked against the allowlist.
+
+    Attributes:
+        adapters: names of the active adapters (their sum is what the trainer computes).
+        rewrites_base: an active adapter's initialisation overwrote base weights.
+        notes: translations a reader of the plan should see.
+    """
+
+    adapters: tuple[str, ...]
+    rewrites_base: bool
+    notes: tuple[str, ...] = ()
+
+
+def check(model: nn.Module, mode: Mode) -> Setup:
+    """Check a ``peft.PeftModel`` against the allowlist for ``mode``; raise on anything else.
+
+    Args:
+        mode: ``"merge"`` (weightsync merges LoRA into the weights) or ``"serve"`` (the engine
+            serves the adapter).
+
+    Raises:
+        UnsupportedModelError: naming every option and module that cannot be reproduced.
+    """
+    adapters = tuple(_active_adapters(model))
+    problems = []
+    for name in adapters:
+        problems += [f"adapter {name!r}: {p}" for p in config_problems(model.peft_config[name], mode)]
+    if mode == "serve" and len(adapters) != 1:
+        problems.append(
+            f"{len(adapters)} active adapters {list(adapters)}: an engine serves one adapter per "
+            "request. Merge them (an engine without LoRA), or combine them into one with "
+            "add_weighted_adapter and activate that"
+        )
+    problems += module_problems(model, mode)
+    if problems:
+        raise UnsupportedModelError(
+            f"the trainer's PEFT set-up cannot be synced exactly ({'served adapter' if mode == 'serve' else 'merged'}), "
+            "nothing was written:\n  - " + "\n  - ".join(problems)
+        )
+    notes = []
+    rewritten = [a for a in adapters if rewrites_base(model.peft_config[a])]
+    if rewritten:
+        notes.append(
+            f"adapter(s) {rewritten} initialised with "
+            f"{sorted({str(model.peft_config[a].init_lora_weights) for a in rewritten})}, which "
+            "rewrote the base: the trainer's base is sent, the original checkpoint cannot be reloaded"
+        )
+    if len(adapters) > 1:
+        notes.append(f"{len(adapters)} active adapters {list(adapters)} merged together")
+    return Setup(adapters=adapters, rewrites_base=bool(rewritten), notes=tuple(notes))
+
+
+def _active_adapters(model: nn.Module) -> list[str]:
+    active = model.base_model.active_adapters if hasattr(model, "base_model") else model.active_adapters
+    return [active] if isinstance(active, str) else list(active)
+
+
+def served_config(config: object) -> dict:
+    """The ``adapter_config.json`` an engine serving the adapter needs.
+
+    Initialisation does not matter once the adapter is trained, and vLLM refuses base-rewriting
+    init values; the trainer's rewritten base is what the engine holds (it is sent), so the
+    served config says ``init_lora_weights=True``. ``modules_to_save`` copies travel as base
+    weights, so the engine must not see them in the adapter.
+    """
+    out = config.to_dict()  # type: ignore[attr-defined]
+    out["init_lora_weights"] = True
+    out["modules_to_save"] = None
+    for key, value in out.items():
+        if isinstance(value, set):
+            out[key] = sorted(value)
+    return out
