@@ -397,12 +397,20 @@ class VLLMEngine(Engine):
         params = SamplingParams(
             temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False
         )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            params,
-            lora_request=self._lora_request,
-            use_tqdm=False,
-        )
+        # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not
+        # per prompt position: two prompts in one batch with prompt_logprobs fail ("einsum():
+        # subscript b has size 2 ... 63"). One prompt per call is exact.
+        groups = [[p] for p in prompts] if self.serves_lora else [prompts]
+        outputs = [
+            out
+            for group in groups
+            for out in self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in group],
+                params,
+                lora_request=self._lora_request,
+                use_tqdm=False,
+            )
+        ]
         return [
             [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
             for out in outputs

