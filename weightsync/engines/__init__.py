@@ -5,6 +5,14 @@ Importing this package does not import vLLM: the adapter imports it when it is c
 """
 
 from .base import Engine, adapt, register
-from .vllm import VLLMEngine
+from .vllm import Replicas, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
 
-__all__ = ["Engine", "VLLMEngine", "adapt", "register"]
+__all__ = [
+    "Engine",
+    "Replicas",
+    "VLLMEngine",
+    "VLLMMultiprocEngine",
+    "VLLMServerEngine",
+    "adapt",
+    "register",
+]

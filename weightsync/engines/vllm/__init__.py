@@ -3,5 +3,6 @@ out of process (a ``vllm serve`` server, a multiprocess ``LLM``) with their tran
 worker-side extension vLLM loads into its own processes."""
 
 from .inprocess import VLLMEngine
+from .server import Replicas, VLLMMultiprocEngine, VLLMServerEngine
 
-__all__ = ["VLLMEngine"]
+__all__ = ["Replicas", "VLLMEngine", "VLLMMultiprocEngine", "VLLMServerEngine"]

@@ -1,0 +1,653 @@
+"""vLLM engines in other processes: a ``vllm serve`` server, a multiprocess ``vllm.LLM``.
+
+One engine class, :class:`RemoteVLLMEngine`, with two pluggable halves:
+
+- a *control plane* (:class:`HTTPControl` for a server, :class:`LLMControl` for a multiprocess
+  ``LLM``): pause/resume, prefix-cache reset, adapter load/unload by name, generation, sleep,
+  and ``collective_rpc`` into weightsync's worker extension (``worker.py``);
+- a *transport* for the bytes (``transport.py``): tmpfs files or a gloo process group.
+
+Every write: pause (in-flight requests are kept, not dropped), write, reset the prefix cache,
+resume. If the write fails part-way the workers have already restored their unfinished layers,
+so the engine serves a mix of old and new weights: it is resumed, the base is marked unsynced
+(only a full restore may follow) and the error is raised. If even that recovery fails the
+engine is left paused -- never resume a broken engine -- and :class:`EngineBrokenError` says so.
+
+The engine's facts (dtype, expected weights, tied names, LoRA rank limit and modules) come from
+the worker extension, read from the model vLLM built, not from the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import AdapterError, WeightSyncError
+from ...plan import Adapter, Bucket
+from ..base import Engine, register
+from .transport import Transport, make_transport
+
+#: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
+WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
+
+
+def _token_id(key: str) -> int:
+    """A logprobs key of a server without a tokenizer: ``"123"`` or ``"token_id:123"``."""
+    return int(key.rsplit(":", 1)[-1])
+
+
+class EngineBrokenError(WeightSyncError, RuntimeError):
+    """A write failed and the engine could not be brought back to a servable state; it is left
+    paused. Restart it (or reload its checkpoint through vLLM) before resuming it."""
+
+
+class Control(ABC):
+    """The calls a remote engine needs, whatever carries them."""
+
+    @abstractmethod
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker(-extension) method on every worker; their results in rank order."""
+
+    @abstractmethod
+    def pause(self) -> None: ...
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None: ...
+
+    @abstractmethod
+    def load_lora(self, name: str, path: str) -> None: ...
+
+    @abstractmethod
+    def unload_lora(self, name: str) -> None: ...
+
+    @abstractmethod
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        """Greedy-decode each prompt (with the adapter loaded under ``lora``, if given)."""
+
+    @abstractmethod
+    def score(self, prompts: list[list[int]], top_k: int, lora: str | None) -> list[list[dict[int, float]]]:
+        """Prompt logprobs (see :meth:`Engine.score_batch`), with the adapter under ``lora``."""
+
+    @abstractmethod
+    def is_sleeping(self) -> bool: ...
+
+    @abstractmethod
+    def sleep(self, level: int) -> None: ...
+
+    @abstractmethod
+    def wake_up(self, tags: list[str] | None) -> None: ...
+
+
+class HTTPControl(Control):
+    """A ``vllm serve`` server started with ``VLLM_SERVER_DEV_MODE=1`` (the ``/collective_rpc``,
+    ``/pause``, ``/sleep`` routes), ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` if it serves LoRA,
+    and ``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker``."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        import requests
+
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._requests = requests
+        self._session = requests.Session()
+        self.model = self._call("GET", "/v1/models")["data"][0]["id"]
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            r = self._session.request(method, self.base_url + path, timeout=self.timeout_s, **kwargs)
+        except self._requests.ConnectionError:
+            # A keep-alive connection the server reset after an error: retry once, fresh.
+            self._session = self._requests.Session()
+            r = self._session.request(method, self.base_url + path, timeout=self.timeout_s, **kwargs)
+        if r.status_code >= 400:
+            self._session = self._requests.Session()
+            raise RuntimeError(f"{method} {self.base_url}{path} -> HTTP {r.status_code}: {r.text[:2000]}")
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return r.text  # the LoRA routes answer in plain text
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        body = {"method": method, "kwargs": kwargs or {}}
+        return (self._call("POST", "/collective_rpc", json=body) or {}).get("results", [])
+
+    def pause(self) -> None:
+        self._call("POST", "/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    def load_lora(self, name: str, path: str) -> None:
+        # Never load_inplace over HTTP: the server then re-reads the adapter from disk on every
+        # decode step, and deleting its folder kills the server (measured, vLLM 0.32).
+        self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    def unload_lora(self, name: str) -> None:
+        loaded = [m["id"] for m in self._call("GET", "/v1/models")["data"]]
+        if name in loaded:  # loaded by us, or by an earlier client of this server
+            self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        body = {
+            "model": lora or self.model,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        choices = sorted(self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        return [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
+
+    def score(self, prompts: list[list[int]], top_k: int, lora: str | None) -> list[list[dict[int, float]]]:
+        body = {
+            "model": lora or self.model,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": top_k,
+            "return_tokens_as_token_ids": True,
+        }
+        choices = sorted(self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        return [
+            [{_token_id(k): v["logprob"] for k, v in pos.items()} for pos in c["prompt_logprobs"][1:]]
+            for c in choices
+        ]
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+
+    def sleep(self, level: int) -> None:
+        self._call("POST", "/sleep", params={"level": level, "mode": "keep"})
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._call("POST", "/wake_up", params=[("tags", t) for t in tags or []])
+
+
+class LLMControl(Control):
+    """A ``vllm.LLM`` with its default multiprocess engine core (any tensor parallel size),
+    created with ``worker_extension_cls=WORKER_EXTENSION``. Its ``generate`` is synchronous, so
+    no request is in flight while the trainer (the same thread) writes: pausing is not needed."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._loras: dict[str, Any] = {}
+        self._next_id = 1
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.llm.collective_rpc(method, kwargs=kwargs or {})
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def load_lora(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self.llm.llm_engine.add_lora(request)
+        self._loras[name] = request
+
+    def unload_lora(self, name: str) -> None:
+        request = self._loras.pop(name, None)
+        if request is not None:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            params,
+            lora_request=self._loras[lora] if lora else None,
+            use_tqdm=False,
+        )
+        results = []
+        for out in outputs:
+            tokens = list(out.outputs[0].token_ids)
+            logprobs = [step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs)]
+            results.append((tokens, logprobs))
+        return results
+
+    def score(self, prompts: list[list[int]], top_k: int, lora: str | None) -> list[list[dict[int, float]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            params,
+            lora_request=self._loras[lora] if lora else None,
+            use_tqdm=False,
+        )
+        return [
+            [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
+            for out in outputs
+        ]
+
+    def is_sleeping(self) -> bool:
+        return bool(self.llm.llm_engine.is_sleeping())
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.llm.wake_up(tags=tags)
+
+
+class RemoteVLLMEngine(Engine):
+    """A vLLM engine in other processes, reached through ``control``, bytes via ``transport``.
+
+    Args:
+        control: the control plane (:class:`HTTPControl`, :class:`LLMControl`).
+        transport: ``"tmpfs"`` (same host), ``"gloo"`` (any host), or a
+            :class:`~weightsync.engines.vllm.transport.Transport`.
+        adapter_dir: where adapter versions are written; the engine must read it at the same
+            path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by :meth:`close`.
+        lora_name: the name the served adapter is loaded under (requests use it as ``model``).
+    """
+
+    name = "vllm-remote"
+
+    def __init__(
+        self,
+        control: Control,
+        *,
+        transport: str | Transport = "tmpfs",
+        adapter_dir: str | None = None,
+        lora_name: str = "weightsync",
+    ) -> None:
+        super().__init__()
+        self.control = control
+        try:
+            facts = control.rpc("weightsync_facts")
+        except Exception as e:
+            raise RuntimeError(
+                "the engine's workers do not answer weightsync_facts: start it with the worker "
+                f"extension (--worker-extension-cls {WORKER_EXTENSION}, or "
+                f"LLM(worker_extension_cls=...)) and, for a server, VLLM_SERVER_DEV_MODE=1: {e}"
+            ) from e
+        self.facts: dict[str, Any] = facts[0]
+        self._expected = {k: tuple(v) for k, v in self.facts["weights"].items()}
+        self.transport = make_transport(transport)
+        self.transport.connect(self._rpc, int(self.facts["world_size"]))
+        owned = adapter_dir is None
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
+        self._owns_adapter_root = owned
+        self.lora_name = lora_name
+        self._served: str | None = None  # the lora name requests use, None: no adapter
+        self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
+        self._version = 0
+
+    def _rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        return self.control.rpc(method, kwargs)
+
+    # --- what the engine holds -------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.facts["dtype"])
+
+    @property
+    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
+        return self._expected
+
+    @property
+    def shared_weights(self) -> list[tuple[str, ...]]:
+        return [tuple(group) for group in self.facts["shared"]]
+
+    @property
+    def serves_lora(self) -> bool:
+        return self.facts["lora"] is not None
+
+    @property
+    def served_adapter(self) -> str | None:
+        """The name requests must use as ``model`` to get the synced adapter (None: none)."""
+        return self._served
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def _write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
+        """Pause, ``write()``, reset the prefix cache, resume; see the module docstring for
+        what happens when ``write`` fails (``base``: it writes base weights)."""
+        self.control.pause()
+        try:
+            write()
+        except BaseException as error:
+            try:
+                self.control.rpc("weightsync_abandon")  # idempotent; the workers did it already
+                self.control.reset_prefix_cache()
+            except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
+                raise EngineBrokenError(
+                    f"{what} failed ({error}) and restoring the engine's unfinished layers failed "
+                    f"too ({recovery}); the engine is left paused. Restart it."
+                ) from error
+            if base:  # a mix of old and new layers: only a full restore may follow
+                self._base_discarded = True
+            self.control.resume()
+            raise
+        self.control.reset_prefix_cache()
+        self.control.resume()
+
+    def load_weights(self, buckets: Iterable[Bucket]) -> int:
+        self._forget_adapter()
+        self._write("load_weights", lambda: self.transport.send(self._rpc, buckets))
+        return 1
+
+    def reload_checkpoint(self, path: str | None = None) -> int:
+        self._forget_adapter()
+        self._write(
+            "reload_checkpoint",
+            lambda: self.control.rpc("weightsync_reload_checkpoint", {"path": path or ""}),
+        )
+        return 1
+
+    def check_adapter(self, adapter: Adapter) -> None:
+        lora = self.facts["lora"]
+        if lora is None:
+            raise AdapterError(
+                "this vLLM engine was started without LoRA (--enable-lora), so it cannot serve "
+                "an adapter; merge it instead (FullSync(lora='merge')) or restart the engine "
+                "with LoRA enabled"
+            )
+        if adapter.rank > lora["max_lora_rank"]:
+            raise AdapterError(
+                f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's "
+                f"max_lora_rank={lora['max_lora_rank']}; restart it with "
+                f"--max-lora-rank {adapter.rank} or more"
+            )
+        targets = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter.tensors}
+        unsupported = sorted(targets - set(lora["modules"]))
+        if unsupported:
+            raise AdapterError(
+                f"adapter {adapter.name!r} targets {unsupported}, which this vLLM model cannot "
+                f"apply LoRA to (it can: {lora['modules']}); merge the adapter instead "
+                "(FullSync(lora='merge'))"
+            )
+
+    def load_adapter(self, adapter: Adapter) -> int:
+        """Write the adapter to a new versioned folder, then unload the old one by name and load
+        the new one under the same name. Old folders are deleted once two newer versions exist:
+        a request admitted before a swap may still read its adapter's folder after it."""
+        import json
+
+        from safetensors.torch import save_file
+
+        self.check_adapter(adapter)
+        self._version += 1
+        folder = self._adapter_root / f"adapter-v{self._version:06d}"
+        folder.mkdir(parents=True)
+        save_file(
+            {k: v.contiguous() for k, v in adapter.tensors.items()},
+            str(folder / "adapter_model.safetensors"),
+        )
+        (folder / "adapter_config.json").write_text(json.dumps(adapter.config, default=str))
+
+        def swap() -> None:
+            self._served = None
+            self.control.unload_lora(self.lora_name)
+            self.control.load_lora(self.lora_name, str(folder))
+            self._served = self.lora_name
+
+        self._write("load_adapter", swap, base=False)
+        self._versions.append(folder)
+        while len(self._versions) > 2:
+            shutil.rmtree(self._versions.pop(0), ignore_errors=True)
+        return 1
+
+    def _forget_adapter(self) -> None:
+        """Unload the served adapter before a base write: vLLM resets its LoRA state on a reload
+        but the server would load it again from its folder on the next request by name,
+        applying an old adapter to a new base (merged LoRA counted twice, ms-swift#8233)."""
+        self._served = None
+        if self.serves_lora:
+            self.control.unload_lora(self.lora_name)
+
+    def greedy_batch(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        return self.control.generate(prompts, max_tokens, self._served)
+
+    def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
+        return self.control.score(prompts, top_k, self._served)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def _observe(self) -> None:
+        """Sleeps made by others (another client of the server): the server reports a bool,
+        no level, so an unexplained sleep counts as level 2."""
+        sleeping = self.control.is_sleeping()
+        if sleeping and not self._asleep:
+            self.mark_asleep(2)
+        elif not sleeping and self._asleep:
+            self.mark_awake(None)
+
+    def _engine_sleep(self, level: int) -> None:
+        self.control.sleep(level)
+
+    def _engine_wake(self, tags: list[str] | None) -> None:
+        self.control.wake_up(tags)
+
+    def close(self) -> None:
+        """Release the transport and the adapter folders this engine created."""
+        self.transport.close()
+        if self._owns_adapter_root:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+
+class VLLMServerEngine(RemoteVLLMEngine):
+    """A running ``vllm serve`` as a weightsync engine, controlled over HTTP.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000``.
+        transport: ``"tmpfs"`` (same host or shared filesystem) or ``"gloo"`` (any host).
+        **kwargs: see :class:`RemoteVLLMEngine`.
+    """
+
+    name = "vllm-server"
+
+    def __init__(self, base_url: str, *, transport: str | Transport = "tmpfs", **kwargs: Any) -> None:
+        super().__init__(HTTPControl(base_url), transport=transport, **kwargs)
+
+
+@register
+class VLLMMultiprocEngine(RemoteVLLMEngine):
+    """A ``vllm.LLM`` with vLLM's default multiprocess engine core (tensor parallel or not).
+
+    Tensors cannot travel in ``collective_rpc`` arguments there (they arrive as lists), so the
+    bytes go through a transport; create the ``LLM`` with
+    ``worker_extension_cls=weightsync.engines.vllm.server.WORKER_EXTENSION``.
+    """
+
+    name = "vllm-multiproc"
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        if not (type(obj).__module__.startswith("vllm") and hasattr(obj, "llm_engine")):
+            return False
+        from vllm.v1.engine.core_client import InprocClient
+
+        return not isinstance(obj.llm_engine.engine_core, InprocClient)
+
+    def __init__(self, llm: Any, *, transport: str | Transport = "tmpfs", **kwargs: Any) -> None:
+        super().__init__(LLMControl(llm), transport=transport, **kwargs)
+        self.llm = llm
+
+
+class _Abort(Exception):
+    """Raised inside a replica's bucket stream when the fan-out stops part-way."""
+
+
+class Replicas(Engine):
+    """Several engines serving the same model, synced by one call: a fan-out.
+
+    Every check a strategy makes (names, shapes, adapter rank and modules, sleep state) runs
+    against every replica before anything is written, because this engine's facts are the
+    replicas' common facts and :meth:`check_adapter` / :meth:`check_writable` ask each one.
+    Each bucket is produced (merged, cast) once and handed to every replica: one thread per
+    replica consumes it, at most two buckets in flight. If producing fails, or any replica fails,
+    the others are stopped part-way and recover as on any failed write (their base is marked
+    unsynced), and the first error is raised.
+
+    Args:
+        engines: the replicas (any :class:`~weightsync.engines.Engine`, or raw engines that
+            :func:`~weightsync.engines.adapt` accepts); they must agree on dtype, expected
+            weights, tied names and whether they serve LoRA.
+    """
+
+    name = "replicas"
+
+    def __init__(self, engines: Iterable[Any]) -> None:
+        super().__init__()
+        from ..base import adapt
+
+        self.engines = [adapt(e) for e in engines]
+        if not self.engines:
+            raise ValueError("Replicas needs at least one engine")
+        first = self.engines[0]
+        for i, e in enumerate(self.engines[1:], 1):
+            for fact in ("dtype", "expected_weights", "shared_weights", "serves_lora"):
+                if getattr(e, fact) != getattr(first, fact):
+                    raise ValueError(
+                        f"replica {i} differs from replica 0 in {fact}: they do not serve the same "
+                        "model the same way, so one sync cannot fit both; sync them apart"
+                    )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engines[0].dtype
+
+    @property
+    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
+        return self.engines[0].expected_weights
+
+    @property
+    def shared_weights(self) -> list[tuple[str, ...]]:
+        return self.engines[0].shared_weights
+
+    @property
+    def serves_lora(self) -> bool:
+        return self.engines[0].serves_lora
+
+    def load_weights(self, buckets: Iterable[Bucket]) -> int:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        queues: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in self.engines]
+        done = object()
+
+        def stream(q: queue.Queue) -> Iterable[Bucket]:
+            while (item := q.get()) is not done:
+                if isinstance(item, _Abort):
+                    raise item
+                yield item
+
+        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="weightsync-replica") as pool:
+            futures = [pool.submit(e.load_weights, stream(q)) for e, q in zip(self.engines, queues)]
+
+            def put(item: Any) -> None:
+                for q, f in zip(queues, futures):
+                    while not f.done():  # a replica that failed takes nothing more
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+
+            try:
+                for bucket in buckets:
+                    if any(f.done() for f in futures):  # a replica failed part-way: stop all
+                        break
+                    put(bucket)
+            except BaseException as error:
+                put(_Abort(f"the fan-out stopped: producing a bucket failed ({error})"))
+                raise
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            put(_Abort("another replica failed") if failed else done)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return sum(f.result() for f in futures)
+
+    def check_adapter(self, adapter: Adapter) -> None:
+        for e in self.engines:
+            e.check_adapter(adapter)
+
+    def load_adapter(self, adapter: Adapter) -> int:
+        return sum(e.load_adapter(adapter) for e in self.engines)
+
+    def reload_checkpoint(self, path: str | None = None) -> int:
+        return sum(e.reload_checkpoint(path) for e in self.engines)
+
+    def greedy_batch(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """Replica 0's results, after checking every replica generates the same tokens."""
+        results = [e.greedy_batch(prompts, max_tokens) for e in self.engines]
+        for i, other in enumerate(results[1:], 1):
+            if [t for t, _ in other] != [t for t, _ in results[0]]:
+                raise RuntimeError(f"replica {i} generates other tokens than replica 0: out of sync")
+        return results[0]
+
+    def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
+        """Replica 0's prompt logprobs (verification then checks replica 0 thoroughly;
+        :meth:`greedy_batch` checks that every replica agrees with it)."""
+        return self.engines[0].score_batch(prompts, top_k)
+
+    # --- lifecycle: each replica keeps its own sleep state; this one is their union --------------
+
+    def _observe(self) -> None:
+        self._asleep = set().union(*(e.asleep for e in self.engines))
+        self._deepest_sleep = max(e.sleep_level for e in self.engines)
+        self._base_discarded = any(e.base_discarded for e in self.engines)
+
+    def check_writable(self, *, restores_base: bool, strategy: str) -> None:
+        for e in self.engines:
+            e.check_writable(restores_base=restores_base, strategy=strategy)
+
+    def base_restored(self) -> None:
+        for e in self.engines:
+            e.base_restored()
+        super().base_restored()
+
+    def _engine_sleep(self, level: int) -> None:
+        for e in self.engines:
+            e.sleep(level)
+
+    def _engine_wake(self, tags: list[str] | None) -> None:
+        for e in self.engines:
+            e.wake_up(tags)

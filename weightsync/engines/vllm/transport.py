@@ -1,0 +1,215 @@
+"""How weight bytes reach vLLM workers in other processes (the trainer's half).
+
+``collective_rpc`` carries JSON only (a tensor in its arguments arrives as a list, measured ~4x
+slower than tmpfs), so an out-of-process engine moves bytes through a transport and uses the RPC
+only to tell the workers where to read. Both transports here end in the worker extension's
+``reload_weights`` with in-worker recovery (``worker.py``), so a failure part-way leaves every
+worker serving.
+
+- :class:`TmpfsTransport`: same host (or a shared filesystem). Each bucket is written as a
+  safetensors file to a RAM folder, then every worker reads the folder. A failure while the
+  trainer produces buckets happens before the engine is touched.
+- :class:`GlooTransport`: a gloo process group, trainer = rank 0, every worker of the engine a
+  further rank; each bucket is broadcast as one flat byte buffer while the workers load it. Works
+  across hosts on CPU (pass a ``host`` the workers can reach). If the trainer fails part-way it
+  broadcasts an abort frame and the workers abandon the half-done reload.
+
+On GPUs vLLM's own ``nccl``/``ipc`` weight-transfer backends are the faster path; they are not
+wired here yet (see ``docs/engines.md``, "Deployments").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...plan import Bucket
+from .worker import (
+    ALIASES_KEY,
+    FRAME_ABORT,
+    FRAME_BUCKET,
+    FRAME_END,
+    _gloo_device,
+    broadcast,
+)
+
+#: ``rpc(method, kwargs)`` runs a worker-extension method on every worker and returns their
+#: results (a server's ``/collective_rpc``, or ``LLM.collective_rpc``).
+Rpc = Callable[[str, dict[str, Any]], list[Any]]
+
+
+def _dedup(bucket: Bucket) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """One tensor per storage (tied names share one), and the other names it is sent under."""
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, list[str]] = {}
+    first: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
+    for name, tensor in bucket:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key in first:
+            aliases.setdefault(first[key], []).append(name)
+        else:
+            first[key] = name
+            unique[name] = tensor
+    return unique, aliases
+
+
+class Transport(ABC):
+    """Moves checkpoint-format buckets into every worker of one engine and has them loaded."""
+
+    name: str
+
+    def connect(self, rpc: Rpc, world_size: int) -> None:
+        """Set up whatever the transport needs with the engine's ``world_size`` workers."""
+
+    @abstractmethod
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        """Load ``buckets`` into every worker. On failure the workers have already abandoned
+        any half-done reload (they serve a mix of old and new layers) and the error is raised."""
+
+    def close(self) -> None:
+        """Release what :meth:`connect` set up (files, sockets)."""
+
+
+def _tmpfs() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class TmpfsTransport(Transport):
+    """Buckets as safetensors files in a RAM folder the workers can read.
+
+    Args:
+        root: a folder the engine's workers can read at the same path; defaults to a fresh
+            ``/dev/shm/weightsync-*`` folder, removed by :meth:`close` (or when collected).
+    """
+
+    name = "tmpfs"
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self.root = Path(root or tempfile.mkdtemp(prefix="weightsync-", dir=_tmpfs()))
+        self._owned = root is None
+        self._updates = 0
+        if self._owned:
+            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        from safetensors.torch import save_file
+
+        self._updates += 1
+        folder = self.root / f"update-{self._updates:06d}"
+        folder.mkdir(parents=True)
+        try:
+            for i, bucket in enumerate(buckets):
+                unique, aliases = _dedup(bucket)
+                save_file(
+                    {k: v.contiguous() for k, v in unique.items()},
+                    str(folder / f"bucket-{i:05d}.safetensors"),
+                    metadata={ALIASES_KEY: json.dumps(aliases)},
+                )
+            rpc("weightsync_load_files", {"folder": str(folder)})
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._owned:
+            self._finalizer()
+
+
+class GlooTransport(Transport):
+    """Buckets broadcast over a gloo process group: trainer rank 0, workers ranks 1..N.
+
+    Args:
+        host: address the trainer listens on and the workers connect to (127.0.0.1 for one
+            host; an address the engine's host can reach otherwise).
+        port: the rendezvous port (0: a free one).
+        timeout_s: how long a broadcast waits for a peer before failing.
+    """
+
+    name = "gloo"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> None:
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self._group: Any = None
+        self._store: Any = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
+
+    def connect(self, rpc: Rpc, world_size: int) -> None:
+        from torch.distributed import ProcessGroupGloo, TCPStore
+
+        size = world_size + 1
+        timeout = timedelta(seconds=self.timeout_s)
+        self._store = TCPStore(self.host, self.port, size, True, timeout=timeout, wait_for_workers=False)
+        kwargs = {"host": self.host, "port": self._store.port, "world_size": size, "timeout_s": self.timeout_s}
+        joined = self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [_gloo_device(self.host)]
+        try:
+            self._group = ProcessGroupGloo(self._store, 0, size, options)
+        finally:
+            joined.result()  # a worker's error (no extension, unreachable host) is the real one
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        if self._group is None:
+            raise RuntimeError("GlooTransport.send before connect")
+        received = self._pool.submit(rpc, "weightsync_receive_gloo", {})
+        try:
+            for bucket in buckets:
+                self._send_bucket(bucket)
+        except BaseException:
+            self._frame(FRAME_ABORT)
+            # The workers report the abort we sent (their error is ours): wait for them to have
+            # restored their layers, then raise the trainer's error, the cause.
+            wait([received])
+            raise
+        self._frame(FRAME_END)
+        received.result()
+
+    def _frame(self, kind: int, meta_len: int = 0, payload_len: int = 0) -> None:
+        broadcast(self._group, torch.tensor([kind, meta_len, payload_len], dtype=torch.int64))
+
+    def _send_bucket(self, bucket: Bucket) -> None:
+        unique, aliases = _dedup(bucket)
+        meta, offsets, total = [], {}, 0
+        for name, tensor in unique.items():
+            n = tensor.numel() * tensor.element_size()
+            offsets[name] = (total, n)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            meta += [[each, dtype, list(tensor.shape), total, n] for each in [name, *aliases.get(name, [])]]
+            total += n
+        payload = torch.empty(total, dtype=torch.uint8)
+        for name, tensor in unique.items():
+            start, n = offsets[name]
+            payload[start : start + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+        meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+        self._frame(FRAME_BUCKET, meta_bytes.numel(), total)
+        broadcast(self._group, meta_bytes)
+        broadcast(self._group, payload)
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
+        self._pool.shutdown(wait=False)
+
+
+def make_transport(transport: str | Transport) -> Transport:
+    """A transport from its name (``"tmpfs"``, ``"gloo"``) or as given."""
+    if isinstance(transport, Transport):
+        return transport
+    if transport == "tmpfs":
+        return TmpfsTransport()
+    if transport == "gloo":
+        return GlooTransport()
+    raise ValueError(f"transport must be 'tmpfs', 'gloo' or a Transport, got {transport!r}")

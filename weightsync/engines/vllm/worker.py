@@ -1,0 +1,284 @@
+"""The worker side of weightsync's out-of-process vLLM engines.
+
+vLLM imports this module inside each of its worker processes when started with
+``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker`` (or
+``LLM(worker_extension_cls=...)``) and mixes :class:`WeightsyncWorker` into its worker class.
+Its methods are then reachable with ``collective_rpc`` (``POST /collective_rpc`` on a server
+started with ``VLLM_SERVER_DEV_MODE=1``), which runs them on every worker (every TP rank) and
+passes JSON arguments only: tensors cannot travel that way, so bytes come through a transport
+(files on tmpfs, or a gloo process group with the trainer as rank 0; see ``transport.py``).
+
+Why a worker extension and not vLLM's stock ``reload_weights`` alone:
+
+- **Recovery.** vLLM 0.32's layerwise reload has no cleanup: if it fails part-way, unfinished
+  layers stay on the meta device and the next generate kills the engine core. Every load here
+  runs the same "abandon the half-done reload" routine as the in-process adapter, inside the
+  worker, so the server keeps serving (a mix of old and new layers; the trainer resyncs).
+- **Facts.** What the engine loads (checkpoint names and shapes, tied names, dtype, LoRA limits
+  and modules) is read here, from the model vLLM actually built, not trusted from the caller.
+- **Tied embeddings.** A checkpoint stores a tied tensor once; vLLM's own reload from disk then
+  leaves ``lm_head`` stale. Loads here send such a tensor under every name it is registered as.
+
+This module imports only torch, safetensors and (lazily) vLLM; nothing from the trainer side
+(weightsync's package ``__init__`` runs first, and imports torch only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: safetensors metadata key under which a bucket file lists names stored under another name
+#: (a tied tensor is written once: safetensors refuses shared storage).
+ALIASES_KEY = "weightsync.aliases"
+
+#: gloo stream frame kinds (first int64 of each frame header).
+FRAME_BUCKET, FRAME_END, FRAME_ABORT = 1, 0, -1
+
+
+def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
+    """Name -> shape of every tensor in the safetensors files of ``folder`` (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[key] = list(h.get_slice(key).get_shape())
+    if not shapes:
+        raise FileNotFoundError(f"no *.safetensors files in {folder!r}: cannot tell what the engine loads")
+    return shapes
+
+
+def shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of names under which one parameter of the model is registered (tied embeddings),
+    in checkpoint form (LoRA's ``.base_layer`` removed)."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name.replace(".base_layer.", "."))
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> bool:
+    """Undo an interrupted vLLM layerwise reload: drop what layers cut mid-way had buffered
+    (processing them would leave their missing parts uninitialised) and finish the reload as
+    vLLM does, which gives every unfinished layer its previous tensors back. Returns whether
+    a reload was pending."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        finalize_layerwise_reload,
+    )
+
+    pending = False
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            pending = True
+            info.loaded_weights = []
+            info.load_numel = 0
+    if pending:
+        finalize_layerwise_reload(model, model_config)
+    return pending
+
+
+def read_bucket_files(folder: str, twins: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every ``*.safetensors`` in ``folder``, in file order, each tensor
+    also under its aliases (bucket files) and its tied twins (checkpoints)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder!r}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            aliases: dict[str, list[str]] = json.loads((h.metadata() or {}).get(ALIASES_KEY, "{}"))
+            for key in h.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensor = h.get_tensor(key)
+                yield key, tensor
+                for other in aliases.get(key, []) + twins.get(key, []):
+                    yield other, tensor
+
+
+def _gloo_device(host: str) -> Any:
+    from torch.distributed import ProcessGroupGloo
+
+    if host in ("127.0.0.1", "localhost"):
+        return ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return ProcessGroupGloo.create_default_device()
+
+
+def gloo_group(host: str, port: int, rank: int, size: int, timeout_s: float) -> tuple[Any, Any]:
+    """A gloo process group of its own (not torch's default group, which vLLM owns) and the
+    TCPStore client at ``host:port`` it rendezvoused through (keep both alive)."""
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, size, False, timeout=timeout)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [_gloo_device(host)]
+    return ProcessGroupGloo(store, rank, size, options), store
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` from rank 0 (the trainer) to every rank of ``group``, in place."""
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+class GlooReceiver:
+    """Iterates the (name, tensor) pairs the trainer broadcasts, one bucket a frame.
+
+    Frame: an int64 header ``[kind, meta_len, payload_len]``, then (for a bucket) the JSON
+    metadata ``[[name, dtype, shape, offset, nbytes], ...]`` and one flat byte payload.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.finished = False  # the END or ABORT frame has been received
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            header = torch.zeros(3, dtype=torch.int64)
+            broadcast(self.group, header)
+            kind, meta_len, payload_len = (int(x) for x in header)
+            if kind == FRAME_END:
+                self.finished = True
+                return
+            if kind == FRAME_ABORT:
+                self.finished = True
+                raise RuntimeError("the trainer aborted this weight update part-way")
+            meta = torch.empty(meta_len, dtype=torch.uint8)
+            broadcast(self.group, meta)
+            payload = torch.empty(payload_len, dtype=torch.uint8)
+            broadcast(self.group, payload)
+            for name, dtype, shape, offset, nbytes in json.loads(bytes(meta.numpy()).decode()):
+                raw = payload[offset : offset + nbytes]
+                yield name, raw.view(getattr(torch, dtype)).view(shape)
+
+    def drain(self) -> None:
+        """Consume the rest of the stream, so the trainer's broadcasts do not hang."""
+        if not self.finished:
+            for _ in self:
+                pass
+
+
+class WeightsyncWorker:
+    """Mixed into vLLM's worker class; every method is a ``collective_rpc`` target.
+
+    Method names start with ``weightsync_`` because vLLM refuses an extension whose names
+    collide with the worker's own.
+    """
+
+    # --- facts ---------------------------------------------------------------------------------
+
+    def weightsync_facts(self) -> dict[str, Any]:
+        """What this engine loads and serves, as JSON. Read once, on the first call: vLLM
+        repoints ``model_config.model`` at any folder it later reloads from."""
+        facts = getattr(self, "_weightsync_facts", None)
+        if facts is None:
+            facts = self._weightsync_read_facts()
+            self._weightsync_facts = facts
+        return facts
+
+    def _weightsync_read_facts(self) -> dict[str, Any]:
+        config = self.vllm_config
+        model = self.model_runner.get_model()
+        checkpoint = config.model_config.model
+        shapes = checkpoint_shapes(checkpoint)
+        twins: dict[str, list[str]] = {}
+        shared = []
+        for names in shared_parameter_names(model):
+            known = [n for n in names if n in shapes]
+            if not known:
+                continue
+            for name in names:
+                if name not in shapes:
+                    shapes[name] = shapes[known[0]]
+                    twins.setdefault(known[0], []).append(name)
+            shared.append(names)
+        lora = None
+        if config.lora_config is not None:
+            lora = {
+                "max_lora_rank": config.lora_config.max_lora_rank,
+                "modules": sorted(_lora_modules(model)),
+            }
+        return {
+            "checkpoint": checkpoint,
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
+            "weights": shapes,
+            "shared": shared,
+            "twins": twins,
+            "lora": lora,
+            "world_size": config.parallel_config.world_size,
+            "rank": self.rank,
+        }
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def _weightsync_load(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """``reload_weights`` that leaves the worker serving when it fails part-way (see
+        ``VLLMEngine._reload``): on error every unfinished layer gets its previous tensors
+        back, and the error is re-raised so the trainer knows the base is a mix."""
+        try:
+            self.model_runner.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
+        except BaseException:
+            self.weightsync_abandon()
+            raise
+
+    def weightsync_load_files(self, folder: str) -> None:
+        """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport)."""
+        self._weightsync_load(read_bucket_files(folder, {}))
+
+    def weightsync_reload_checkpoint(self, path: str = "") -> None:
+        """Re-read a checkpoint folder (the one the engine started from when ``path`` is
+        empty), sending tied tensors under every name, so ``lm_head`` is not left stale."""
+        facts = self.weightsync_facts()
+        self._weightsync_load(read_bucket_files(path or facts["checkpoint"], facts["twins"]))
+
+    def weightsync_join_gloo(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Join the trainer's gloo group as rank ``1 + worker rank`` (the trainer is rank 0)."""
+        self._weightsync_group, self._weightsync_store = gloo_group(
+            host, int(port), 1 + self.rank, int(world_size), float(timeout_s)
+        )
+
+    def weightsync_receive_gloo(self) -> None:
+        """Load what the trainer broadcasts over the gloo group until its END frame. On a
+        failure here the stream is drained first, so the trainer's broadcasts complete."""
+        group = getattr(self, "_weightsync_group", None)
+        if group is None:
+            raise RuntimeError("no gloo group: call weightsync_join_gloo first")
+        receiver = GlooReceiver(group)
+        try:
+            self._weightsync_load(iter(receiver))
+        except BaseException:
+            receiver.drain()
+            raise
+
+    def weightsync_abandon(self) -> bool:
+        """Give every layer a half-done layerwise reload left unfinished its previous tensors
+        back. Safe to call when nothing is pending; returns whether anything was."""
+        return abandon_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+
+def _lora_modules(model: torch.nn.Module) -> set[str]:
+    """The module names vLLM's LoRA manager accepts (as ``VLLMEngine`` collects them)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    names = set(getattr(model, "embedding_modules", {}) or {})
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+            names.update(packed.get(leaf, [leaf]))
+    return names
+
+
