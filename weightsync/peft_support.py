@@ -160,6 +160,13 @@ def module_problems(model: nn.Module, mode: Mode) -> list[str]:
             variants = {type(v).__name__ for a, v in module.lora_variant.items() if a in module.active_adapters}
             if variants:
                 found.setdefault(f"LoRA variant {sorted(variants)} is not synced", []).append(name)
+            bias_adapters = [a for a in module.active_adapters if module.lora_bias.get(a)]
+            if bias_adapters and getattr(module.get_base_layer(), "bias", None) is None:
+                found.setdefault(
+                    "lora_bias=True on a layer without a bias: the checkpoint has no bias to merge "
+                    "it into, so no engine can hold it",
+                    [],
+                ).append(name)
             if module.merged and mode == "serve":
                 found.setdefault(
                     "the adapter is merged into the base in place (merge_adapter()); an engine "
@@ -252,3 +259,42 @@ def served_config(config: object) -> dict:
         if isinstance(value, set):
             out[key] = sorted(value)
     return out
+
+
+#: The test that proves each row of the table in ``docs/peft-support.md``.
+TESTED_BY: dict[str, str] = {
+    "inert": "every LoRA test",
+    "r": "tests/test_core_vllm.py, tests/test_errors_vllm.py (rank above max_lora_rank)",
+    "lora_alpha": "tests/test_core_vllm.py",
+    "use_rslora": "tests/test_exact_or_refused_vllm.py::test_scale_options_served_exactly",
+    "rank_pattern": "tests/test_exact_or_refused_vllm.py::test_scale_options_served_exactly",
+    "alpha_pattern": "tests/test_exact_or_refused_vllm.py::test_scale_options_served_exactly",
+    "modules_to_save": "tests/test_reliability.py::test_untied_head_as_modules_to_save_reaches_a_lora_engine",
+    "fan_in_fan_out": "tests/test_stream.py::test_gpt2_conv1d_fan_in_fan_out (merge, trainer side)",
+    "bias": "tests/test_stream.py::test_merged_equals_peft_merge_and_trainer_untouched[bias=all+alpha_pattern]",
+    "lora_bias": "tests/test_stream.py (lora_bias, merged); tests/test_exact_or_refused_vllm.py::test_lora_bias_on_layers_without_a_bias_is_refused",
+    "init_lora_weights": "tests/test_exact_or_refused_vllm.py::test_base_rewriting_init_through_all_three_lora_paths (pissa, olora)",
+    "use_dora": "tests/test_exact_or_refused_vllm.py::test_dora_refused_with_zero_writes",
+    "(unknown option)": "tests/test_exact_or_refused_vllm.py::test_an_option_weightsync_does_not_know_is_refused",
+}
+
+_SAYS = {
+    "inert": "synced exactly (does not change the trained model's output)",
+    "exact": "synced exactly, merged or served",
+    "merge": "synced exactly when merged; refused when served",
+    "init": "synced exactly (the trainer's base and adapter are sent as they are)",
+    "refused": "refused",
+}
+
+
+def options_table() -> str:
+    """The markdown table of ``docs/peft-support.md``: one row per LoraConfig option."""
+    rows = ["| option | weightsync | why | tested by |", "|---|---|---|---|"]
+    for name, (handling, why) in OPTIONS.items():
+        test = TESTED_BY.get(name) or TESTED_BY.get(handling if handling == "inert" else "", "")
+        rows.append(f"| `{name}` | {_SAYS[handling]} | {why} | {test or 'refused when set: not run'} |")
+    rows.append(
+        "| any other option | refused when set | an option weightsync does not know | "
+        f"{TESTED_BY['(unknown option)']} |"
+    )
+    return "\n".join(rows)

@@ -7,7 +7,9 @@ integration the same way weightsync tests itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +173,38 @@ def assert_matches(
     )
     assert result["max_logprob_diff"] <= atol, f"logprob diff {result['max_logprob_diff']} > {atol}"
     return result
+
+
+@contextlib.contextmanager
+def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
+    """Record every call that can write into an in-process vLLM engine, at vLLM's own boundary.
+
+    Yields a list that fills with one entry per write: ``collective_rpc`` calls (``reload_weights``
+    and callables run in the workers, apart from capability probes named ``supports_*``) and
+    adapter loads/removals. A refusal that claims "nothing was written" must leave it empty.
+    """
+    engine = adapt(engine)
+    llm = engine.llm
+    writes: list[str] = []
+    rpc, add, remove = llm.collective_rpc, llm.llm_engine.add_lora, llm.llm_engine.remove_lora
+
+    def counted_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        if not name.startswith("supports_"):
+            writes.append(f"collective_rpc:{name}")
+        return rpc(method, *args, **kwargs)
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            writes.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    llm.collective_rpc = counted_rpc
+    llm.llm_engine.add_lora = counted("add_lora", add)
+    llm.llm_engine.remove_lora = counted("remove_lora", remove)
+    try:
+        yield writes
+    finally:
+        del llm.collective_rpc, llm.llm_engine.add_lora, llm.llm_engine.remove_lora

@@ -82,8 +82,10 @@ def _watch_sleeps(engine: VLLMEngine) -> None:
         return sleep(level)
 
     def recorded_wake_up(tags: list[str] | None = None) -> Any:
-        result = wake_up(tags)
         adapter = ref()
+        if adapter is not None:
+            adapter._observe()  # a sleep it has not seen yet is recorded before the wake hides it
+        result = wake_up(tags)
         if adapter is not None:
             # vLLM ignores a wake naming a tag that is not asleep: trust its tags, not ours.
             adapter.mark_awake([t for t in ("weights", "kv_cache") if t not in executor.sleeping_tags])
@@ -110,7 +112,8 @@ class VLLMEngine(Engine):
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
-        return type(obj).__module__.startswith("vllm") and hasattr(obj, "llm_engine")
+        core = getattr(getattr(obj, "llm_engine", None), "engine_core", None)  # else: multiproc
+        return type(obj).__module__.startswith("vllm") and type(core).__name__ == "InprocClient"
 
     def __init__(
         self,
@@ -163,6 +166,7 @@ class VLLMEngine(Engine):
         self._executor = llm.llm_engine.engine_core.engine_core.model_executor
         self._sleep_seen = False
         _watch_sleeps(self)
+        self._observe()  # asleep already (TRL sleeps in its __init__): the level is unknown
 
     # --- what the engine holds -------------------------------------------------------------
 
