@@ -1,0 +1,309 @@
+"""From the trainer's in-memory parameters to the tensors a checkpoint holds, lazily.
+
+transformers 5 holds some weights in a different layout than its checkpoints (and vLLM) store
+them: a MoE layer keeps its experts fused (``mlp.experts.gate_up_proj`` of shape [E, 2I, H])
+where the checkpoint has one tensor per expert and projection
+(``mlp.experts.0.gate_proj.weight``, or ``block_sparse_moe.experts.0.w1.weight`` for Mixtral).
+The engine loads checkpoint names, so the stream must send those.
+
+The translation is transformers' own: the conversion rules ``from_pretrained`` applied to the
+checkpoint (``transformers.conversion_mapping``), reversed the way ``save_pretrained`` reverses
+them (``transformers.core_model_loading.revert_weight_conversion``). A model family transformers
+converts therefore syncs without any code here; a model without rules passes through unchanged.
+
+Nothing is materialised while planning: the rules run once per parameter on a ``meta`` tensor,
+which yields every checkpoint name and shape. When a checkpoint tensor is a view of the fused
+parameter (every MoE family so far: expert ``e``'s gate projection is ``gate_up_proj[e, :I]``),
+it is taken as that view of the trainer's memory, so a sync in the trainer's dtype copies nothing.
+Otherwise (an op that permutes or concatenates) transformers' ops run on the real tensor, once
+per parameter, when the stream reaches it.
+
+It also merges LoRA on parameters peft wraps directly (``LoraConfig(target_parameters=...)``,
+the way peft adapts fused experts): out of place, in float32, the fused result then split as
+above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .errors import UnsupportedModelError
+from .plan import Tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor cut from one in-memory parameter.
+
+    ``take(full)`` turns the full in-memory tensor (the parameter, or its LoRA-merged version,
+    in any dtype) into this checkpoint tensor: a view of it when ``view`` (no copy).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    take: Callable[[torch.Tensor], torch.Tensor]
+    view: bool = True
+
+
+class _ViewsOnly(TorchFunctionMode):
+    """Make ``.contiguous()`` a no-op, so that ops which only slice return views of their input
+    (transformers' ``Chunk`` copies each chunk to contiguous memory; a view is what we want)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+class Layout:
+    """How a model's in-memory parameters map to checkpoint tensors (see the module docstring).
+
+    Built by :func:`checkpoint_layout`; :meth:`split` answers for one parameter.
+    """
+
+    def __init__(self, model: Any, transforms: list[Any]) -> None:
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        self._model = model
+        self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self._by_pattern = {p: c for c in self._converters for p in c.source_patterns}
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether every parameter keeps its name and layout (no conversion rules)."""
+        return not (self._renamings or self._converters)
+
+    def split(self, name: str, shape: tuple[int, ...]) -> list[Piece] | None:
+        """The checkpoint tensors parameter ``name`` (of ``shape``) is saved as, in order.
+
+        Returns None when the parameter is saved unchanged, under its own name. Nothing is
+        materialised: shapes come from running the conversion on a ``meta`` tensor.
+
+        Raises:
+            UnsupportedModelError: the checkpoint tensor is built from several in-memory
+                parameters (a conversion weightsync cannot stream one parameter at a time).
+        """
+        from transformers.core_model_loading import rename_source_key
+
+        if self.is_identity:
+            return None
+        renamed, pattern = rename_source_key(name, self._renamings, self._converters, reverse=True)
+        if pattern is None:
+            return None if renamed == name else [Piece(renamed, tuple(shape), _identity)]
+        converter = self._by_pattern[pattern]
+        if len(converter.source_patterns) > 1:
+            raise UnsupportedModelError(
+                f"{name} is saved fused with other parameters ({converter.source_patterns} -> "
+                f"{converter.target_patterns}, transformers' conversion rules for "
+                f"{type(self._model).__name__}); weightsync streams one parameter at a time and "
+                "cannot build that checkpoint tensor. Please report this model family."
+            )
+        meta = torch.empty(shape, device="meta")
+        try:
+            with _ViewsOnly():
+                planned = self._convert(renamed, name, pattern, meta)
+            views = all(t is meta or t._base is meta for t in planned.values())
+        except (RuntimeError, ValueError):  # an op needs real contiguity: plan without views
+            planned, views = self._convert(renamed, name, pattern, meta), False
+        if views:
+            return [
+                Piece(key, tuple(t.shape), _strided(t.shape, t.stride(), int(t.storage_offset())))
+                for key, t in planned.items()
+            ]
+        convert = _Memo(lambda full: self._convert(renamed, name, pattern, full))
+        return [Piece(k, tuple(t.shape), convert.getter(k), view=False) for k, t in planned.items()]
+
+    def _convert(
+        self, renamed: str, name: str, pattern: str, tensor: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        # One key's share of revert_weight_conversion: a fresh converter per target, as there.
+        converter = deepcopy(self._by_pattern[pattern])
+        converter.add_tensor(renamed, name, pattern, tensor)  # type: ignore[arg-type]
+        with torch.no_grad():
+            out = converter.convert(renamed, model=self._model, config=self._model.config)
+        return {key: t[0] if isinstance(t, list) else t for key, t in out.items()}
+
+
+def checkpoint_layout(model: nn.Module) -> Layout:
+    """The layout of ``model``'s checkpoint, from transformers' own conversion rules.
+
+    The rules are those ``save_pretrained`` reverses: the ones the model was loaded with, or,
+    for a model built from a config, its family's default rules (without prefix changes, as
+    ``revert_weight_conversion`` does). A model with none, or one that is not a transformers
+    model, gets the identity layout.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return Layout(None, [])
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    transforms = getattr(model, "_weight_conversions", None)
+    if transforms is None:
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+        transforms = [t for t in transforms if not isinstance(t, PrefixChange)]
+    try:
+        # Reversed order, so that a sub-model's conversions apply first (as transformers does).
+        reverse = [t.reverse_transform() for t in transforms[::-1]]
+    except ValueError as e:  # transformers cannot reverse quantization or TP conversions
+        raise UnsupportedModelError(
+            f"transformers cannot convert {type(model).__name__}'s weights back to checkpoint "
+            f"layout ({e}); weightsync streams checkpoint layout only."
+        ) from e
+    return Layout(model, reverse)
+
+
+def to_checkpoint(tensors: list[Tensor], layout: Layout) -> list[Tensor]:
+    """``tensors`` (in-memory names) as the checkpoint tensors the engine loads, in order.
+
+    A parameter saved as several checkpoint tensors is materialised once, when the stream
+    reaches its first piece, and kept until every piece was produced (its pieces are adjacent,
+    so that is at most one parameter at a time). Each piece gets its own ``source``: pieces of
+    one parameter are different tensors, not tied twins.
+    """
+    if layout.is_identity:
+        return tensors
+    out: list[Tensor] = []
+    for t in tensors:
+        pieces = layout.split(t.name, t.shape)
+        if pieces is None:
+            out.append(t)
+            continue
+        full = _Shared(t.produce, len(pieces))
+        for i, piece in enumerate(pieces):
+            # a view of a tensor the trainer holds is held too: produce(held) reads it in place
+            held = t.held if piece.view else None
+            produce = full.piece(i, piece.take)
+            source = hash((t.source, i))
+            out.append(Tensor(piece.name, piece.shape, produce, t.merged, source, held))
+    return out
+
+
+class _Shared:
+    """One materialisation of a parameter shared by its pieces, released after the last one."""
+
+    def __init__(self, produce: Callable[[torch.dtype], torch.Tensor], count: int) -> None:
+        self._produce = produce
+        self._count = count
+        self._full: torch.Tensor | None = None
+        self._dtype: torch.dtype | None = None
+        self._done: set[int] = set()
+
+    def piece(
+        self, i: int, take: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.dtype], torch.Tensor]:
+        def produce(dtype: torch.dtype) -> torch.Tensor:
+            if self._full is None or self._dtype != dtype:
+                self._full, self._dtype, self._done = self._produce(dtype), dtype, set()
+            out = take(self._full)
+            self._done.add(i)
+            if len(self._done) == self._count:
+                self._full = None
+            return out
+
+        return produce
+
+
+class _Memo:
+    """Run ``convert`` once per full tensor and hand out its outputs by name."""
+
+    def __init__(self, convert: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> None:
+        self._convert = convert
+        self._last: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+
+    def getter(self, key: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def take(full: torch.Tensor) -> torch.Tensor:
+            if self._last is None or self._last[0] is not full:
+                self._last = (full, self._convert(full))
+            return self._last[1][key]
+
+        return take
+
+
+def _identity(full: torch.Tensor) -> torch.Tensor:
+    return full
+
+
+def _strided(
+    shape: torch.Size, stride: tuple[int, ...], offset: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def take(full: torch.Tensor) -> torch.Tensor:
+        full = full.contiguous()  # the layout was planned on a contiguous tensor
+        return full.as_strided(shape, stride, full.storage_offset() + offset)
+
+    return take
+
+
+# --- LoRA on parameters (peft ``target_parameters``: fused experts) ---------------------------
+
+
+def lora_parameters(layer: Any) -> dict[str, Any]:
+    """{parameter name: the peft ``ParamWrapper`` adapting it} along ``layer``'s wrapper chain.
+
+    peft adapts a bare parameter (fused experts have no ``nn.Linear``) with a ``ParamWrapper``;
+    several parameters of one module are wrapped in a chain, outermost first.
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    found: dict[str, Any] = {}
+    while isinstance(layer, ParamWrapper):
+        found[layer.parameter_name] = layer
+        layer = layer.base_layer
+    return found
+
+
+def merged_parameter(
+    wrapper: Any, param: torch.Tensor, name: str
+) -> Callable[[torch.dtype], torch.Tensor]:
+    """``param + scale * B @ A`` for every active adapter of ``wrapper``, per expert, in float32.
+
+    The same math as peft's ``ParamWrapper.get_delta_weight`` (checked against peft's own merge
+    in the tests), but in float32 and out of place: the trainer's weights are never touched.
+
+    Raises:
+        UnsupportedModelError: the delta's shape does not match the parameter (a layout this
+            code does not know); checked now, on meta tensors, before anything is written.
+    """
+    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    for a in adapters:
+        meta = _param_delta(wrapper, a, device="meta")
+        if tuple(meta.shape) != tuple(param.shape):
+            raise UnsupportedModelError(
+                f"LoRA on parameter {name} (LoraConfig(target_parameters=...)) has a delta of "
+                f"shape {list(meta.shape)} for a parameter of shape {list(param.shape)}; "
+                "weightsync cannot merge it. Serve the adapter unmerged or target modules instead."
+            )
+
+    def produce(dtype: torch.dtype) -> torch.Tensor:
+        out = param.detach().float()
+        for a in adapters:
+            out = out + _param_delta(wrapper, a).to(out.device)
+        return out.to(dtype)
+
+    return produce
+
+
+def _param_delta(wrapper: Any, adapter: str, device: str | None = None) -> torch.Tensor:
+    a = wrapper.lora_A[adapter].weight.detach()
+    b = wrapper.lora_B[adapter].weight.detach()
+    if device == "meta":
+        a, b = a.to("meta"), b.to("meta")
+    a, b = a.float(), b.float()
+    scale = wrapper.scaling[adapter]
+    experts = wrapper.num_experts
+    if experts == 1:  # a 2-d parameter: the plain linear delta (peft refuses fan_in_fan_out)
+        return (b @ a) * scale
+    a = a.reshape(experts, -1, a.shape[-1])  # (experts, rank, in)
+    b = b.reshape(b.shape[0], -1, experts)  # (out, rank, experts)
+    # peft stores (experts, in, out) unless the module holds its experts as (experts, out, in)
+    order = "e o i" if wrapper._did_swap_in_out_features else "e i o"
+    return torch.einsum(f"o r e, e r i -> {order}", b, a) * scale
