@@ -1,0 +1,182 @@
+"""Adapters loaded into a real in-process ``vllm.LLM`` from memory (no file round trip) serve
+exactly what the folder path serves, replace the adapter in place at every update, never touch
+the trainer's tensors, and a request for an adapter vLLM dropped fails loudly.
+
+One engine per architecture, switched between the two paths with ``adapter_from_memory``: the
+same engine and base weights, so the outputs of the two paths must be identical, not just close.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from weightsync import AdapterSync, FullSync, stream
+from weightsync import testing as T
+from weightsync.engines import VLLMEngine
+from weightsync.engines.vllm.lora import MEMORY_ROOT, install_adapter
+
+ATOL = 1e-3
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": MODULES}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memlora")
+    return {
+        arch: VLLMEngine(
+            T.make_llm(T.save_checkpoint(T.tiny_model(arch), root / arch), enable_lora=True)
+        )
+        for arch in ("qwen2", "llama")
+    }
+
+
+@pytest.fixture(autouse=True)
+def _memory_path_by_default(engines):
+    for engine in engines.values():
+        engine.adapter_from_memory = True
+    yield
+    for engine in engines.values():
+        engine.adapter_from_memory = True
+
+
+def lora_model(arch: str, seed: int, **cfg):
+    model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**LORA, **cfg}))
+    T.perturb(model, seed=seed, scale=0.3)
+    return model
+
+
+def outputs(engine):
+    return engine.greedy_batch(T.PROMPTS, 8)
+
+
+def adapter_sync(model, engine, *, memory: bool):
+    engine.adapter_from_memory = memory
+    AdapterSync().sync(model, engine)
+    path = engine.lora_request.lora_path
+    assert path.startswith(MEMORY_ROOT) == memory, path
+    assert not memory or not os.path.exists(path)
+
+
+def assert_differs(model, engine):
+    stale = T.compare(model, engine)
+    assert stale["engine"] != stale["trainer"], "engine already serves the update: test is void"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_memory_and_folder_paths_serve_identical_outputs(engines, arch):
+    engine = engines[arch]
+    model = lora_model(arch, seed=1)
+    FullSync(lora="separate").sync(model, engine)
+    T.assert_matches(model, engine, atol=ATOL)
+    seen = []
+    for seed in (2, 3, 4):
+        T.perturb(model, seed=seed, scale=0.3)
+        assert_differs(model, engine)
+        adapter_sync(model, engine, memory=True)  # replaces the folder-loaded one: same id
+        T.assert_matches(model, engine, atol=ATOL)
+        from_memory = outputs(engine)
+        adapter_sync(model, engine, memory=False)  # and the other way round
+        assert outputs(engine) == from_memory  # tokens and logprobs, exactly
+        seen.append(from_memory)
+    assert len({str(s) for s in seen}) == len(seen), "adapter updates did not change the outputs"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_repeated_memory_loads_under_one_id_take_effect(engines, arch):
+    engine = engines[arch]
+    model = lora_model(arch, seed=10)
+    FullSync(lora="separate").sync(model, engine)
+    lora_id = engine.lora_request.lora_int_id
+    for seed in (11, 12, 13):
+        T.perturb(model, seed=seed, scale=0.3)
+        assert_differs(model, engine)
+        adapter_sync(model, engine, memory=True)
+        assert engine.lora_request.lora_int_id == lora_id
+        assert engine.llm.llm_engine.list_loras() == {lora_id}
+        T.assert_matches(model, engine, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"use_rslora": True},
+        {"rank_pattern": {"v_proj": 4, "down_proj": 12}, "alpha_pattern": {"o_proj": 40}},
+        {"use_rslora": True, "rank_pattern": {"q_proj": 16}, "alpha_pattern": {"up_proj": 3}},
+    ],
+    ids=["rslora", "rank+alpha_pattern", "rslora+patterns"],
+)
+def test_scaling_options_match_trainer_and_folder(engines, cfg):
+    engine = engines["llama"]
+    model = lora_model("llama", seed=20, **cfg)
+    FullSync(lora="separate").sync(model, engine)
+    T.perturb(model, seed=21, scale=0.3)
+    assert_differs(model, engine)
+    adapter_sync(model, engine, memory=True)
+    T.assert_matches(model, engine, atol=ATOL)
+    from_memory = outputs(engine)
+    adapter_sync(model, engine, memory=False)
+    assert outputs(engine) == from_memory
+
+
+def test_trainer_tensors_are_not_touched(engines):
+    # vLLM scales lora_b in place when it installs an adapter: the engine must hold a copy.
+    engine = engines["llama"]
+    model = lora_model("llama", seed=30)
+    FullSync(lora="separate").sync(model, engine)
+    before = {k: v.clone() for k, v in stream.adapter(model).tensors.items()}
+    adapter_sync(model, engine, memory=True)
+    after = stream.adapter(model).tensors
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # and a later trainer step does not leak into what the engine serves until the next sync
+    served = outputs(engine)
+    T.perturb(model, seed=31, scale=0.3)
+    assert outputs(engine) == served
+
+
+def test_request_held_across_a_base_write_fails_loudly(engines):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = engines["llama"]
+    model = lora_model("llama", seed=40)
+    FullSync(lora="separate").sync(model, engine)
+    assert engine.lora_request.lora_path.startswith(MEMORY_ROOT)
+    held = engine.lora_request
+
+    # Merged into the base: applying the old adapter on top would count LoRA twice.
+    FullSync(lora="merge").sync(model, engine)
+    assert engine.lora_request is None
+    assert engine.llm.llm_engine.list_loras() == set()
+    params = SamplingParams(temperature=0, max_tokens=4, detokenize=False, ignore_eos=True)
+    with pytest.raises(Exception, match=f"No adapter found for {MEMORY_ROOT}"):
+        engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=[1, 2, 3])], params, lora_request=held, use_tqdm=False
+        )
+    llm_engine = engine.llm.llm_engine
+    llm_engine.abort_request(list(llm_engine.output_processor.request_states), internal=True)
+    T.assert_matches(model, engine, atol=ATOL)  # merged weights, no adapter on top
+
+    # The next adapter load serves again, under the same id.
+    FullSync(lora="separate").sync(model, engine)
+    assert engine.lora_request.lora_int_id == held.lora_int_id
+    T.assert_matches(model, engine, atol=ATOL)
+
+
+def test_a_rejected_adapter_leaves_the_served_one(engines):
+    engine = engines["llama"]
+    model = lora_model("llama", seed=50)
+    FullSync(lora="separate").sync(model, engine)
+    good = stream.adapter(model)
+    bad = dict(good.tensors)
+    bad["base_model.model.model.layers.0.mlp.no_such_proj.lora_A.weight"] = torch.zeros(8, 128)
+    with pytest.raises(ValueError, match="no_such_proj"):
+        engine.llm.collective_rpc(
+            install_adapter,
+            kwargs={"tensors": bad, "config": good.config, "lora_int_id": engine.lora_id},
+        )
+    T.assert_matches(model, engine, atol=ATOL)

@@ -1,0 +1,185 @@
+"""Worker-side LoRA loading from memory: an adapter built from tensors, no file round trip.
+
+These functions run where vLLM's model runner lives: in this process through
+``llm.collective_rpc(install_adapter, kwargs=...)`` (tensors pass by reference), or inside a vLLM
+worker process through a worker extension (tensors arrive pickled). So they take only plain
+data -- a dict of tensors keyed as in ``adapter_model.safetensors``, the ``adapter_config.json``
+dict, ids -- and import nothing from the trainer side of weightsync.
+
+vLLM 0.32 has no public call for this: ``add_lora`` reads a folder. :func:`build_lora_model`
+therefore does what ``WorkerLoRAManager._load_adapter`` does after reading the files (PEFTHelper
+from the config, the same legality checks, ``LoRAModel.from_lora_tensors``), and
+:func:`install_adapter` does what the LRU manager's ``add_adapter`` does for
+``load_inplace=True``: build first (a bad adapter leaves the served one alone), then remove the
+adapter with that id, add, activate. Both follow vLLM private internals of that version; a
+version without them is detected by :func:`supports_memory_load`, and the caller falls back to
+the folder.
+
+Serving and staleness. Requests name the adapter with a ``LoRARequest`` whose ``lora_path`` is
+:func:`memory_lora_path`: an absolute path that never exists. While the adapter is loaded vLLM
+finds it by id and never reads the path. When it is not -- vLLM dropped every adapter after a
+base weight reload (``reset_lora_state``), or the LRU cache evicted it -- vLLM tries to load it
+from that path and the request fails with "No adapter found for /weightsync-in-memory/...",
+instead of serving an older adapter on top of new base weights (LoRA counted twice,
+ms-swift#8233). The fix is the caller's: sync the adapter again. The request must not carry
+``load_inplace=True``, or every request would reload from the (absent) path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MEMORY_ROOT = "/weightsync-in-memory"
+
+
+def memory_lora_path(lora_name: str, lora_int_id: int) -> str:
+    """``lora_path`` for a ``LoRARequest`` of an adapter installed from memory.
+
+    Absolute (so vLLM never takes it for a hub id to download) and never created, so a request
+    for an adapter vLLM no longer holds fails loudly instead of loading anything.
+    """
+    return f"{MEMORY_ROOT}/{lora_name}/{lora_int_id}"
+
+
+def _lora_manager(worker: Any) -> Any:
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None:
+        raise RuntimeError(
+            "this vLLM worker has no LoRA manager: create the engine with enable_lora=True"
+        )
+    return manager
+
+
+def supports_memory_load(worker: Any) -> bool:
+    """Whether this worker's vLLM has the internals :func:`install_adapter` relies on."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    inner = getattr(manager, "_adapter_manager", None)
+    return (
+        inner is not None
+        and hasattr(LoRAModel, "from_lora_tensors")
+        and hasattr(PEFTHelper, "from_dict")
+        and all(
+            hasattr(inner, attr)
+            for attr in ("supported_lora_modules", "packed_modules_mapping", "remove_adapter",
+                         "add_adapter", "activate_adapter", "capacity")
+        )
+        and all(hasattr(manager, attr) for attr in ("lora_config", "vocab_size", "max_position_embeddings"))
+    )
+
+
+def _expected_modules(inner: Any) -> set[str]:
+    """Module names vLLM accepts LoRA for, packed ones expanded (``_load_adapter``'s list)."""
+    expected: set[str] = set()
+    for module in inner.supported_lora_modules:
+        expected.update(inner.packed_modules_mapping.get(module, [module]))
+        if module == "experts":
+            expected.add(module)
+    return expected
+
+
+def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], peft_helper: Any,
+                   mapper: Any, skip_prefixes: list[str] | None) -> None:
+    """The check vLLM runs on the safetensors keys before loading: every tensor must target a
+    module this model applies LoRA to, or it would be silently dropped."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+
+    unexpected = []
+    for key in tensors:
+        if is_base_embedding_weights(key) or "base_layer" in key:
+            continue
+        if skip_prefixes and LoRAModel._should_skip_module(key, skip_prefixes):
+            continue
+        module, _ = parse_fine_tuned_lora_name(key, mapper)
+        if ".experts" in module:
+            ok = module[module.find(".experts") + 1:] in expected
+        else:
+            leaf = module.rsplit(".", 1)[-1]
+            ok = leaf in expected or leaf in (peft_helper.modules_to_save or ())
+        if not ok:
+            unexpected.append(module)
+    if unexpected:
+        raise ValueError(
+            f"adapter targets modules this vLLM model has no LoRA layer for: {unexpected} "
+            f"(it has: {sorted(expected)}); train the adapter on those, or merge it instead"
+        )
+
+
+def build_lora_model(
+    worker: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int
+) -> Any:
+    """A vLLM ``LoRAModel`` from an adapter in PEFT's on-disk form, checked as vLLM checks one
+    read from a folder.
+
+    Every tensor is copied once, to CPU in the engine's LoRA dtype, as vLLM's folder loader
+    leaves it: vLLM later scales ``lora_b`` in place (``LoRALayerWeights.optimize``), and the
+    LRU cache re-activates an adapter from these tensors, so sharing storage with the trainer
+    would both corrupt the trainer's adapter and serve later, unsynced values.
+    """
+    from vllm.lora.lora_model import LoRAModel, _is_remote_expert_key
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = _lora_manager(worker)
+    inner = manager._adapter_manager
+    peft_helper = PEFTHelper.from_dict(
+        {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+    )
+    peft_helper.validate_legal(manager.lora_config)
+    model = inner.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapper = mapper.get_rename_mapper()
+    skip_prefixes = getattr(model, "lora_skip_prefixes", None)
+    _check_modules(tensors, _expected_modules(inner), peft_helper, mapper, skip_prefixes)
+
+    dtype = manager.lora_config.lora_dtype
+    ep_spec = getattr(inner, "moe_ep_load_spec", None)
+    owned = {
+        key: t.detach().to(device="cpu", dtype=dtype, copy=True)
+        for key, t in tensors.items()
+        if ep_spec is None or not _is_remote_expert_key(key, ep_spec)
+    }
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_int_id,
+        tensors=owned,
+        peft_helper=peft_helper,
+        device="cpu",
+        dtype=dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper,
+        skip_prefixes=skip_prefixes,
+    )
+    inner._validate_moe_lora_format(lora)
+    inner._validate_modules_to_save(lora)
+    inner._validate_token_classification_lora(lora)
+    return lora
+
+
+def install_adapter(
+    worker: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int
+) -> bool:
+    """Build the adapter and make it the one served under ``lora_int_id``, replacing any
+    adapter with that id (a re-add takes effect). Call through ``collective_rpc``.
+
+    Requests then use it with ``LoRARequest(name, lora_int_id, memory_lora_path(...))``.
+    Returns True once installed; raises, leaving the engine's adapters unchanged, if the
+    adapter is not one this engine can serve.
+    """
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+    manager = _lora_manager(worker)
+    inner = manager._adapter_manager
+    with gpu_sync_allowed():
+        lora = build_lora_model(worker, tensors, config, lora_int_id)
+        inner.remove_adapter(lora_int_id)
+        if len(inner) + 1 > inner.capacity and hasattr(inner, "remove_oldest_adapter"):
+            inner.remove_oldest_adapter()
+        inner.add_adapter(lora)
+        inner.activate_adapter(lora_int_id)
+    return True
+
