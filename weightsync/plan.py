@@ -30,6 +30,9 @@ class Tensor:
     computed then, not at planning time). ``source`` identifies the trainer tensor it comes
     from: names that share one (tied embeddings) share it. ``held`` is the dtype of a tensor
     the trainer holds as it is; ``produce(held)`` then reads the trainer's memory, no copy.
+    ``inputs`` are the trainer tensors (and scales) the value is computed from: a tensor whose
+    inputs have not changed since the engine received it need not be sent again (see
+    :func:`change_key`); without inputs it is always sent.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Tensor:
     merged: bool = False
     source: int = 0
     held: torch.dtype | None = None  # the dtype the trainer holds it in (None: computed)
+    inputs: tuple[torch.Tensor | float, ...] = ()  # what its value is computed from
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,21 @@ class Adapter:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def change_key(t: Tensor) -> tuple | None:
+    """What ``t``'s value depends on, as a key that differs whenever the value may differ.
+
+    Each input tensor contributes its identity, its in-place version counter (bumped by every
+    in-place write: optimizer steps, ``copy_``, ``load_state_dict``) and its storage address (a
+    ``.data`` swap); scales contribute their value. Computing it reads no data. None: the
+    tensor has no declared inputs and must always be sent.
+    """
+    if not t.inputs:
+        return None
+    return (t.merged,) + tuple(
+        (id(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else x for x in t.inputs
+    )
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -96,6 +115,9 @@ class Plan:
         restores_base: once executed, every base weight of the engine equals the trainer's.
         bucket_bytes: the size weights are materialised and sent in.
         notes: decisions a reader should see (merged layers, tied names, translated options).
+        skipped: weights left out because the engine already holds exactly them.
+        held_after: what the engine holds once the plan is executed (name -> change key), for
+            the next plan's skipping; empty when nothing may be skipped next time.
     """
 
     strategy: str
@@ -109,6 +131,8 @@ class Plan:
     restores_base: bool = False
     bucket_bytes: int = 512 << 20
     notes: tuple[str, ...] = field(default_factory=tuple)
+    skipped: tuple[str, ...] = ()
+    held_after: dict = field(default_factory=dict, repr=False)
 
     @property
     def weight_bytes(self) -> int:
@@ -141,6 +165,11 @@ class Plan:
             steps.append(
                 f"load adapter {a.name!r}: rank {a.rank}, {len(a.tensors)} tensors, "
                 f"{_mib(a.nbytes)}, targets {sorted(_targets(a))}"
+            )
+        if self.skipped:
+            steps.append(
+                f"skip {len(self.skipped)} weights unchanged since the engine received them "
+                f"({', '.join(self.skipped[:2])}{', ...' if len(self.skipped) > 2 else ''})"
             )
         lines += [f"  {i}. {step}" for i, step in enumerate(steps, 1)] or ["  nothing to write"]
         shown = [f"{t.name} {list(t.shape)}{' (merged)' if t.merged else ''}" for t in self.weights[:3]]

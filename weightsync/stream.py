@@ -82,6 +82,18 @@ def _merged_weight(layer: nn.Module, weight: torch.Tensor) -> Callable[[torch.dt
     return produce
 
 
+def _merge_inputs(layer: nn.Module, base: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
+    """Everything a merged weight or bias of ``layer`` is computed from: the base tensor, each
+    active adapter's factors (and lora_B bias) and its scale."""
+    inputs: list[torch.Tensor | float] = [base]
+    for a in layer.active_adapters:
+        if a in layer.scaling:
+            factors = [m for d in (layer.lora_A, layer.lora_B) if a in d for m in d[a].parameters()]
+            factors += [d[a] for d in (layer.lora_embedding_A, layer.lora_embedding_B) if a in d]
+            inputs += [*factors, float(layer.scaling[a])]
+    return tuple(inputs)
+
+
 def _merged_bias(layer: nn.Module, bias: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     adapters = [a for a in layer.active_adapters if getattr(layer, "lora_bias", {}).get(a)]
 
@@ -126,15 +138,15 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
                 merged = merged_parameter(wrapped[pname], p, prefix + pname)
                 out.append(Tensor(prefix + pname, tuple(p.shape), merged, True, id(p)))
             elif merging and pname == "weight":
-                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_weight(module, p), True, id(p)))
+                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_weight(module, p), True, id(p), inputs=_merge_inputs(module, p)))
             elif merging and pname == "bias" and has_lora_bias:
-                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_bias(module, p), True, id(p)))
+                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_bias(module, p), True, id(p), inputs=_merge_inputs(module, p)))
             else:
-                out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype))
+                out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)))
         return
     for pname, p in module.named_parameters(recurse=False):
         _require_floating(prefix + pname, p)
-        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype))
+        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)))
     for cname, child in module.named_children():
         _walk(child, f"{prefix}{cname}.", merge, out)
 
@@ -191,7 +203,7 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
         if isinstance(module, ModulesToSaveWrapper) and not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
-                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p), source=id(p), held=p.dtype))
+                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)))
     return out
 
 

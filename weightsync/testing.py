@@ -114,6 +114,7 @@ def discard_weights(engine: Engine | Any, *, seed: int = 1234) -> None:
         "reload_weights", kwargs={"weights_iterator": garbage, "is_checkpoint_format": True}
     )
     engine.llm.reset_prefix_cache()
+    engine.held = {}  # written behind weightsync's back: it holds nothing weightsync sent
 
 
 @torch.no_grad()

@@ -42,6 +42,11 @@ class Engine(ABC):
         self._asleep: set[str] = set()
         self._base_discarded = False
         self._deepest_sleep = 0
+        #: What the engine holds from the last completed sync, by checkpoint name: the change
+        #: key of the trainer tensor it was computed from (see ``plan.change_key``) and weak
+        #: references to its inputs. Emptied whenever the engine's weights may have changed
+        #: otherwise (a level-2 sleep, a failed or partial write, a checkpoint reload).
+        self.held: dict[str, tuple] = {}
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -171,6 +176,8 @@ class Engine(ABC):
         self._asleep = {"weights", "kv_cache"}
         self._deepest_sleep = max(self._deepest_sleep, level)
         self._base_discarded = self._base_discarded or level == 2
+        if level == 2:
+            self.held = {}
 
     def mark_awake(self, tags: list[str] | None = None) -> None:
         """Record a wake the caller made on the engine directly (without :meth:`wake_up`)."""

@@ -10,7 +10,9 @@ syncs (has the base been pushed?) lives in :class:`weightsync.Syncer`, not here.
 
 from __future__ import annotations
 
+import re
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -22,7 +24,7 @@ from torch import nn
 
 from ..engines.base import Engine, adapt
 from ..errors import WeightMismatchError
-from ..plan import Bucket, Plan, Tensor, numel
+from ..plan import Bucket, Plan, Tensor, change_key, numel
 from ..stream import buckets
 
 @dataclass(frozen=True)
@@ -146,6 +148,33 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
     engine.check_writable(restores_base=plan.restores_base, strategy=plan.strategy)
     start = time.perf_counter() if started is None else started
     tally = Tally()
+    try:
+        _write(plan, engine, tally)
+    except BaseException:
+        engine.held = {}  # a part-written engine holds nothing we can vouch for
+        raise
+    if plan.reload:  # the engine re-read a folder: keep no record (skipping is then off once)
+        engine.held = {}
+    elif plan.held_after:
+        engine.held = dict(plan.held_after)
+    else:
+        for t in plan.weights:
+            engine.held.pop(t.name, None)
+    if plan.restores_base:
+        engine.base_restored()
+    return SyncReport(
+        strategy=plan.strategy,
+        reason=plan.reason,
+        tensors=tally.tensors,
+        bytes=tally.bytes,
+        seconds=time.perf_counter() - start,
+        engine_calls=tally.engine_calls,
+        buckets=tally.buckets,
+        plan=plan,
+    )
+
+
+def _write(plan: Plan, engine: Engine, tally: Tally) -> None:
     if plan.reload == "snapshot":
         assert plan.snapshot_dir is not None
         write_snapshot(plan.weights, plan.dtype, Path(plan.snapshot_dir), plan.bucket_bytes)
@@ -164,18 +193,61 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
         tally.engine_calls += engine.load_adapter(plan.adapter)
         tally.tensors += len(plan.adapter.tensors)
         tally.bytes += plan.adapter.nbytes
-    if plan.restores_base:
-        engine.base_restored()
-    return SyncReport(
-        strategy=plan.strategy,
-        reason=plan.reason,
-        tensors=tally.tensors,
-        bytes=tally.bytes,
-        seconds=time.perf_counter() - start,
-        engine_calls=tally.engine_calls,
-        buckets=tally.buckets,
-        plan=plan,
-    )
+
+
+def unchanged(tensors: list[Tensor], engine: Engine) -> tuple[list[Tensor], list[str], dict]:
+    """Split a full sync's ``tensors`` into those to send and those the engine already holds.
+
+    A tensor is skipped only when the engine holds exactly it: the engine's record from the
+    last completed sync has the same change key and its inputs are still the same live objects.
+    Skipping is all or nothing per group of tensors the engine loads together -- a decoder layer
+    (``...layers.<i>.``, which also keeps vLLM's fused q/k/v and gate/up together) or one other
+    module -- and tied names share a group, because vLLM's layerwise reload restores a module
+    that received nothing, but a module that received part of its tensors is not finished.
+
+    Returns:
+        (tensors to send, names skipped, the record the engine holds once they are sent).
+    """
+    keys = {t.name: change_key(t) for t in tensors}
+    held_after = {
+        t.name: (keys[t.name], tuple(weakref.ref(x) for x in t.inputs if isinstance(x, torch.Tensor)))
+        for t in tensors
+        if keys[t.name] is not None
+    }
+
+    def holds(t: Tensor) -> bool:
+        record = engine.held.get(t.name)
+        return (
+            record is not None
+            and keys[t.name] is not None
+            and record[0] == keys[t.name]
+            and all(ref() is not None for ref in record[1])
+        )
+
+    group_of = _groups(tensors)
+    stale = {group_of[t.name] for t in tensors if not holds(t)}
+    send = [t for t in tensors if group_of[t.name] in stale]
+    skipped = [t.name for t in tensors if group_of[t.name] not in stale]
+    return send, skipped, held_after
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def _groups(tensors: list[Tensor]) -> dict[str, str]:
+    """name -> the group it is loaded with: its decoder layer, else its module; tied names
+    (one trainer tensor) are merged into one group."""
+    group = {}
+    for t in tensors:
+        layer = _LAYER.match(t.name)
+        group[t.name] = layer.group(1) if layer else t.name.rsplit(".", 1)[0]
+    by_source: dict[int, str] = {}
+    for t in tensors:
+        first = by_source.setdefault(t.source, group[t.name])
+        if first != group[t.name]:
+            old = group[t.name]
+            group = {n: first if g == old else g for n, g in group.items()}
+    return group
 
 
 def _expected_bytes(engine: Engine) -> int:

@@ -12,7 +12,7 @@ from ..errors import AdapterError
 from ..plan import Plan
 from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors
 from ..stream import _is_peft as is_peft
-from .base import Strategy, check_names
+from .base import Strategy, check_names, unchanged
 
 LoraMode = Literal["merge", "separate"]
 
@@ -39,6 +39,10 @@ class FullSync(Strategy):
     Args:
         lora: how to send a LoRA model (ignored for a model without adapters).
         bucket_bytes: size of the groups tensors are materialised and sent in.
+        skip_unchanged: leave out the layers the engine already holds exactly (unchanged
+            since the last completed sync into it: frozen embeddings, frozen layers). Never
+            after a level-2 sleep, a failed sync or a checkpoint reload, which empty the
+            engine's record. See :func:`~weightsync.strategies.base.unchanged`.
         reason: why this strategy was chosen, for logs.
     """
 
@@ -51,9 +55,11 @@ class FullSync(Strategy):
         *,
         lora: LoraMode | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        skip_unchanged: bool = True,
         reason: str | None = None,
     ) -> None:
         super().__init__(reason=reason)
+        self.skip_unchanged = skip_unchanged
         if lora not in (None, "merge", "separate"):
             raise ValueError(f"lora must be 'merge', 'separate' or None, got {lora!r}")
         if bucket_bytes <= 0:
@@ -84,14 +90,19 @@ class FullSync(Strategy):
             model, merge_lora=peft and mode == "merge", expected=engine.expected_weights
         )
         check_names(tensors, engine, complete=True)
+        send, skipped, held_after = unchanged(tensors, engine)
+        if not self.skip_unchanged:
+            send, skipped = tensors, []
         return Plan(
             strategy=self.label,
             reason=self.reason,
             engine=engine.describe(),
             dtype=engine.dtype,
-            weights=tuple(tensors),
+            weights=tuple(send),
             adapter=served,
             restores_base=True,
             bucket_bytes=self.bucket_bytes,
             notes=notes,
+            skipped=tuple(skipped),
+            held_after=held_after,
         )
