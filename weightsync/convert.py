@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -180,11 +180,12 @@ def to_checkpoint(tensors: list[Tensor], layout: Layout) -> list[Tensor]:
             continue
         full = _Shared(t.produce, len(pieces))
         for i, piece in enumerate(pieces):
-            # a view of a tensor the trainer holds is held too: produce(held) reads it in place
-            held = t.held if piece.view else None
-            produce = full.piece(i, piece.take)
-            source = hash((t.source, i))
-            out.append(Tensor(piece.name, piece.shape, produce, t.merged, source, held))
+            # A view of a tensor the trainer holds is held too (produce(held) reads it in
+            # place); everything else (merged, inputs) is the parameter's.
+            out.append(replace(
+                t, name=piece.name, shape=piece.shape, produce=full.piece(i, piece.take),
+                source=hash((t.source, i)), held=t.held if piece.view else None,
+            ))
     return out
 
 
