@@ -9,6 +9,7 @@ from torch import nn
 
 from . import policy
 from .engines.base import Engine, adapt
+from .plan import Plan
 from .strategies import Strategy, SyncReport
 from .verify import check_engine
 
@@ -78,6 +79,11 @@ class Syncer:
             sleep_level=level,
             prefer_reload=self.prefer_reload,
         )
+
+    def plan(self, model: nn.Module, *, sleep_level: int | None = None) -> Plan:
+        """What the next :meth:`sync` would write, checked, with nothing written:
+        ``print(syncer.plan(model))`` explains the choice and its cost."""
+        return self.choose(sleep_level).plan(model, self.engine)
 
     def sync(self, model: nn.Module, *, sleep_level: int | None = None) -> SyncReport:
         """Choose, sync ``model`` into the engine, and update ``base_sync_done``.
