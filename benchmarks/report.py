@@ -51,8 +51,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         ok = "yes" if c["passed"] else "**NO**"
         if c.get("diagnosis", {}).get("stale_tied_lm_head"):
             ok += " stale tied lm_head, see Known issues;"
-        if "max_logprob_diff" in c:
-            ok += f" (dlp {c['max_logprob_diff']:.3f}; wrong model {c['control_logprob_diff']:.1f})"
+        if "mean_logprob_diff" in c:
+            ok += (f" (dlp mean {c['mean_logprob_diff']:.3f}, max {c['max_logprob_diff']:.2f}; "
+                   f"wrong model {c['control_mean_logprob_diff']:.1f})")
         lines.append(
             f"| {r['label']} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {_bytes(r['bytes'])} "
             f"| {r['gbps']:.2f} | {r['engine_calls']} | {_mb(r['peak_extra_bytes']['max'])} "

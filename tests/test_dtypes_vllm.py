@@ -1,5 +1,6 @@
 """A bfloat16 engine fed by a float32 or bfloat16 trainer: weights are cast once, on the trainer
-side, and the engine agrees with the trainer within bfloat16's tolerance (verify.TOLERANCE)."""
+side, and the engine agrees with the trainer within bfloat16's tolerance (verify.TOLERANCE).
+Verification at that tolerance still catches a tied lm_head left one small step stale."""
 
 from __future__ import annotations
 
@@ -10,13 +11,38 @@ from peft import LoraConfig, get_peft_model
 from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
+from weightsync.errors import VerificationError
 from weightsync.verify import TOLERANCE, check_engine
+
+BF16 = TOLERANCE[torch.bfloat16]
+
+
+class RecordingEngine(VLLMEngine):
+    """Keeps the (name, tensor) pairs of the last weight stream, as vLLM received them."""
+
+    received: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, buckets):
+        self.received = []
+
+        def record():
+            for bucket in buckets:
+                self.received.extend(bucket)
+                yield bucket
+
+        return super().load_weights(record())
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     ck = T.save_checkpoint(T.tiny_model("qwen2", dtype=torch.bfloat16), tmp_path_factory.mktemp("bf16") / "ck")
-    return VLLMEngine(T.make_llm(ck, dtype="bfloat16", enable_lora=True))
+    return RecordingEngine(T.make_llm(ck, dtype="bfloat16", enable_lora=True))
+
+
+def differs(model, engine):
+    """Greedy tokens differ: the sync that follows has something to do."""
+    stale = T.compare(model, engine)
+    return stale["engine"] != stale["trainer"]
 
 
 @pytest.mark.parametrize("trainer_dtype", [torch.float32, torch.bfloat16])
@@ -26,19 +52,48 @@ def test_bf16_engine(engine, trainer_dtype):
     T.perturb(model, seed=7, scale=0.3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
+    assert differs(model, engine)
     merged = FullSync(lora="merge").sync(model, engine, verify=True)
+    # What vLLM received: every weight once, in bfloat16, the tied embedding under both names.
+    got = {name: t for name, t in engine.received}
+    assert len(got) == len(engine.received) and set(got) == set(engine.expected_weights)
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    base = model.get_base_model()
+    received_bytes = sum(t.numel() * t.element_size() for t in got.values())
+    base_params = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
+    assert received_bytes == 2 * base_params + 2 * base.lm_head.weight.numel()
+    # a garbage engine is caught at this tolerance (merged: no adapter served that the
+    # discard, which bypasses the engine adapter, would leave dangling)
+    T.discard_weights(engine)
+    with pytest.raises(VerificationError, match="differ from the trainer's"):
+        check_engine(model, engine, strategy="test")
+
     separate = FullSync(lora="separate").sync(model, engine, verify=True)
     T.perturb(model, seed=8, scale=0.3)
+    assert differs(model, engine)
     adapter = AdapterSync().sync(model, engine, verify=True)
 
     for report in (merged, separate, adapter):
-        assert report.verified_logprob_diff is not None and report.verified_logprob_diff <= TOLERANCE[torch.bfloat16]
-    # the stream sent bfloat16: 2 bytes per base parameter, the tied embedding under both names
-    base_params = sum(t.numel() for n, t in model.get_base_model().named_parameters() if "lora_" not in n)
-    assert merged.bytes == 2 * base_params + 2 * model.get_base_model().lm_head.weight.numel()
+        assert report.verified_logprob_diff is not None and report.verified_logprob_diff <= BF16.mean
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
-    # a garbage engine is caught at this tolerance
-    T.discard_weights(engine)
-    with pytest.raises(Exception, match="differ from the trainer's"):
-        check_engine(model, engine, strategy="test")
+
+
+@pytest.mark.parametrize("trainer_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_stale_tied_head_after_one_small_step_is_caught(engine, trainer_dtype):
+    """The audit's case: one training step of 0.02 (0.2 x the init range), then a push of every
+    parameter once under its named_parameters name (TRL, ms-swift). vLLM's layerwise reload
+    restores lm_head alone, so the head stays one step behind. Measured (benchmarks.verification):
+    mean |d logprob| 0.17-0.19 stale vs 0.012-0.017 correct; tolerance 0.12."""
+    model = T.tiny_model("qwen2", seed=3, dtype=trainer_dtype)
+    FullSync().sync(model, engine)
+    T.perturb(model, seed=4, scale=0.02)
+    pairs = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+    assert "lm_head.weight" not in dict(pairs)  # tied: listed once
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+    engine.llm.reset_prefix_cache()
+    with pytest.raises(VerificationError, match="on average"):
+        check_engine(model, engine, strategy="named_parameters push")
+    FullSync().sync(model, engine)  # the head under its own name too
+    assert check_engine(model, engine, strategy="FullSync") <= BF16.mean / 4
