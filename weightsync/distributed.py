@@ -1,0 +1,286 @@
+"""Syncing from a sharded trainer (FSDP2): every rank calls :func:`sync`, one rank writes.
+
+An FSDP2 trainer holds each parameter as a ``DTensor``: every rank has a shard, and gathering
+the whole tensor (``full_tensor()``) is a collective all ranks must make, in the same order.
+The engine lives on one rank (``src``). A sync then goes, on every rank:
+
+1. **Facts.** ``src`` broadcasts what planning needs from the engine (dtype, expected weights
+   and shapes, tied names, whether it serves LoRA, its sleep state) and the strategy to run
+   (its own, or its :class:`~weightsync.Syncer`'s choice), so every rank can plan.
+2. **Plan and agree.** Every rank plans against those facts (``src`` also checks the adapter
+   against the real engine); nothing is gathered while planning. The outcomes are exchanged:
+   if any rank refused or failed, every rank raises the same error, naming the rank, and
+   nothing was written. Ranks whose plans differ (names, shapes, order) refuse too.
+3. **Stream in lockstep.** ``src`` executes the plan into its engine. Each time it is about
+   to materialise a tensor it broadcasts "continue, tensor i"; the other ranks take part in that
+   gather and drop their copy at once. So ``src`` holds one bucket of whole tensors (as without
+   sharding) and the others one tensor. When ``src`` finishes it broadcasts "done" and the
+   report; if the engine fails part-way it broadcasts "abort" and the error, and every rank
+   raises it -- nobody is left waiting in a gather.
+
+What is not covered: a rank other than ``src`` failing *inside* a gather after the ranks agreed
+(an out-of-memory in the merge math) leaves ``src`` waiting in the collective until the process
+group's timeout. ``ReloadWeights`` from the engine's own checkpoint skips its sampled comparison
+of base values with the checkpoint (it would gather while planning); the PEFT set-up and
+trainable-base checks still apply. A ``Syncer`` with ``verify=True`` is refused: verification
+runs the trainer's forward, which under FSDP every rank must run.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import errors
+from .engines.base import Engine, adapt
+from .plan import Adapter, Plan
+from .state import Syncer
+from .strategies.base import Strategy, SyncReport, execute
+from .stream import _full
+
+_CONTINUE, _DONE, _ABORT = 0, 1, 2
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+class _Facts(Engine):
+    """The engine as every rank sees it while planning: the facts ``src`` broadcast.
+
+    On ``src`` it also holds the real engine, to check the adapter against it. It cannot write:
+    only ``src`` writes, into the real engine.
+    """
+
+    name = "facts"
+
+    def __init__(self, facts: Mapping[str, Any], real: Engine | None) -> None:
+        super().__init__()
+        self._facts = facts
+        self._real = real
+        self._asleep = set(facts["asleep"])
+        self._base_discarded = facts["base_discarded"]
+        self._deepest_sleep = facts["sleep_level"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._facts["dtype"]
+
+    @property
+    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
+        return self._facts["expected_weights"]
+
+    @property
+    def shared_weights(self) -> list[tuple[str, ...]]:
+        return self._facts["shared_weights"]
+
+    @property
+    def serves_lora(self) -> bool:
+        return self._facts["serves_lora"]
+
+    def describe(self) -> str:
+        return self._facts["describe"]
+
+    def check_adapter(self, adapter: Adapter) -> None:
+        if self._real is not None:  # the other ranks learn the outcome when the ranks agree
+            self._real.check_adapter(adapter)
+
+    def _cannot(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("weightsync.distributed: planning facts cannot write or generate")
+
+    load_weights = load_adapter = reload_checkpoint = _cannot  # type: ignore[assignment]
+    greedy_batch = score_batch = _engine_sleep = _engine_wake = _cannot  # type: ignore[assignment]
+
+
+def _facts_of(engine: Engine, strategy: Strategy) -> dict[str, Any]:
+    return {
+        "strategy": strategy,
+        "dtype": engine.dtype,
+        "expected_weights": {k: tuple(v) for k, v in engine.expected_weights.items()},
+        "shared_weights": [tuple(g) for g in engine.shared_weights],
+        "serves_lora": engine.serves_lora,
+        "describe": engine.describe(),
+        "asleep": sorted(engine.asleep),
+        "base_discarded": engine.base_discarded,
+        "sleep_level": engine.sleep_level,
+    }
+
+
+def _failure(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc)
+
+
+def _raise(rank: int, kind: str, message: str, cause: BaseException | None = None) -> None:
+    """Raise, on this rank, the error ``rank`` met: same class when it is one of weightsync's
+    errors or a builtin, same message everywhere."""
+    cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = RuntimeError
+    text = f"rank {rank}: {kind}: {message}"
+    try:
+        exc = cls(text)
+    except Exception:  # an exception class whose constructor wants more than a message
+        exc = RuntimeError(text)
+    raise exc from cause
+
+
+def _digest(plan: Plan) -> tuple[Any, ...]:
+    """What must be identical on every rank for the gathers to line up."""
+    adapter = plan.adapter
+    return (
+        plan.strategy,
+        plan.reload,
+        tuple((t.name, t.shape) for t in plan.weights),
+        tuple((k, tuple(t.shape)) for k, t in adapter.tensors.items()) if adapter else None,
+    )
+
+
+def sync(
+    how: Strategy | Syncer | None,
+    model: nn.Module,
+    engine: Engine | Any | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    src: int = 0,
+) -> SyncReport:
+    """Sync a sharded ``model`` into the engine held by rank ``src``; call it on every rank.
+
+    Args:
+        how: on ``src``, the :class:`~weightsync.Strategy` to run or the
+            :class:`~weightsync.Syncer` that chooses it (its ``base_sync_done`` is updated as
+            :meth:`Syncer.sync` does). On the other ranks it is ignored (pass the same object,
+            or None): the strategy ``src`` runs is broadcast.
+        model: this rank's model (FSDP2-sharded, or whole); the same architecture on every rank.
+        engine: on ``src``, the engine (or a raw ``vllm.LLM``; a Syncer's own engine is used
+            when None); None on every other rank.
+        group: the process group the ranks sync over (None: the default group).
+        src: the global rank holding the engine.
+
+    Returns:
+        The :class:`~weightsync.SyncReport`, on every rank (without ``plan`` off ``src``).
+
+    Raises:
+        On every rank, the same error, naming the rank it came from: a refusal while planning
+        (nothing written), or the engine's error while writing (the base is then unsynced).
+    """
+    rank = dist.get_rank()
+    real: Engine | None = None
+    syncer = how if isinstance(how, Syncer) else None
+    facts: list[Any] = [None]
+    if rank == src:
+        try:
+            facts[0] = _prepare(how, engine)
+            real = syncer.engine if syncer is not None else adapt(engine)
+        except Exception as exc:
+            facts[0] = {"error": _failure(exc)}
+    elif engine is not None:
+        facts[0] = {"error": ("ValueError", f"rank {rank} was given an engine; only src={src} holds one")}
+    dist.broadcast_object_list(facts, src=src, group=group)
+    if "error" in facts[0]:
+        _raise(src, *facts[0]["error"])
+    strategy: Strategy = facts[0]["strategy"]
+
+    # Plan everywhere, then agree before anything is written.
+    start = time.perf_counter()
+    plan: Plan | None = None
+    mine: tuple[str, Any]
+    failed: Exception | None = None
+    try:
+        plan = strategy.plan(model, _Facts(facts[0], real))
+        mine = ("ok", _digest(plan))
+    except Exception as exc:
+        mine, failed = ("error", _failure(exc)), exc
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, mine, group=group)
+    for r, (status, detail) in enumerate(outcomes):
+        if status == "error":
+            _raise(r, *detail, cause=failed)
+    if any(detail != outcomes[0][1] for _, detail in outcomes):
+        raise RuntimeError(
+            "weightsync.distributed: the ranks planned different syncs (names, shapes or order "
+            "differ), nothing was written. Every rank must hold the same model architecture."
+        )
+    assert plan is not None
+    if syncer is not None:
+        syncer.base_sync_done = False
+
+    # The adapter is small: gathered whole by every rank, kept by src only.
+    if plan.adapter is not None:
+        gathered = {k: _full(t) for k, t in plan.adapter.tensors.items()}
+        if rank == src:
+            adapter = dataclasses.replace(plan.adapter, tensors=gathered)
+            plan = dataclasses.replace(plan, adapter=adapter)
+        del gathered
+    if rank != src:
+        return _follow(plan, src, group)
+    report = _lead(plan, real, src, group, start)
+    if syncer is not None:
+        syncer.base_sync_done = True
+        syncer.step += 1
+    return report
+
+
+def _prepare(how: Strategy | Syncer | None, engine: Any) -> dict[str, Any]:
+    """On ``src``: the strategy to run and the engine's facts."""
+    if isinstance(how, Syncer):
+        if engine is not None and adapt(engine) is not how.engine:
+            raise ValueError("pass either a Syncer or an engine on the engine rank, not both")
+        if how.verify:
+            raise ValueError(
+                "a Syncer with verify=True cannot sync a sharded model: verification runs the "
+                "trainer's forward on the engine rank alone, which FSDP cannot. Create it with "
+                "verify=False and verify on an unsharded copy if you need to"
+            )
+        return _facts_of(how.engine, how.choose())
+    if not isinstance(how, Strategy):
+        raise TypeError(f"the engine rank needs a Strategy or a Syncer, got {type(how).__name__}")
+    if engine is None:
+        raise ValueError("the engine rank was given no engine")
+    return _facts_of(adapt(engine), how)
+
+
+def _announce(i: int, produce: Callable[[torch.dtype], torch.Tensor], src: int, group: Any):
+    def produce_in_step(dtype: torch.dtype) -> torch.Tensor:
+        dist.broadcast(torch.tensor([_CONTINUE, i, _DTYPES.index(dtype)]), src=src, group=group)
+        return produce(dtype)
+
+    return produce_in_step
+
+
+def _lead(plan: Plan, engine: Engine | None, src: int, group: Any, start: float) -> SyncReport:
+    """On ``src``: execute ``plan``, announcing each tensor so the other ranks gather with it."""
+    assert engine is not None
+    weights = tuple(
+        dataclasses.replace(t, produce=_announce(i, t.produce, src, group))
+        for i, t in enumerate(plan.weights)
+    )
+    try:
+        report = execute(dataclasses.replace(plan, weights=weights), engine, started=start)
+    except Exception as exc:
+        dist.broadcast(torch.tensor([_ABORT, 0, 0]), src=src, group=group)
+        dist.broadcast_object_list([_failure(exc)], src=src, group=group)
+        _raise(src, *_failure(exc), cause=exc)
+    dist.broadcast(torch.tensor([_DONE, 0, 0]), src=src, group=group)
+    done = dataclasses.replace(report, plan=plan)
+    dist.broadcast_object_list([done.to_dict()], src=src, group=group)
+    return done
+
+
+def _follow(plan: Plan, src: int, group: Any) -> SyncReport:
+    """Off ``src``: take part in every gather ``src`` announces, dropping each copy at once."""
+    signal = torch.zeros(3, dtype=torch.int64)
+    while True:
+        dist.broadcast(signal, src=src, group=group)
+        what, i, dtype = signal.tolist()
+        if what == _CONTINUE:
+            plan.weights[i].produce(_DTYPES[dtype])  # gathered, then dropped
+            continue
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=src, group=group)
+        if what == _ABORT:
+            _raise(src, *message[0])
+        return SyncReport(**message[0])
