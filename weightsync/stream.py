@@ -47,10 +47,16 @@ def inner_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if _is_peft(model) else model
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor. A sharded parameter (an FSDP2 ``DTensor``) is gathered: a collective
+    every rank must make, in the same order (:mod:`weightsync.distributed` sees to that)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _plain(t: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     # .detach() shares storage: with a matching dtype the engine reads the trainer's memory
     # directly and nothing is copied on this side.
-    return lambda dtype: t.detach().to(dtype)
+    return lambda dtype: _full(t.detach()).to(dtype)
 
 
 def _lora_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
@@ -61,12 +67,12 @@ def _lora_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
     """
     scale = layer.scaling[adapter]
     if adapter in layer.lora_A:
-        a = layer.lora_A[adapter].weight.detach().float()
-        b = layer.lora_B[adapter].weight.detach().float()
+        a = _full(layer.lora_A[adapter].weight.detach()).float()
+        b = _full(layer.lora_B[adapter].weight.detach()).float()
         delta = (b @ a) * scale
         return delta.T if layer.fan_in_fan_out else delta
-    a = layer.lora_embedding_A[adapter].detach().float()
-    b = layer.lora_embedding_B[adapter].detach().float()
+    a = _full(layer.lora_embedding_A[adapter].detach()).float()
+    b = _full(layer.lora_embedding_B[adapter].detach()).float()
     return (b @ a).T * scale
 
 
@@ -74,7 +80,7 @@ def _merged_weight(layer: nn.Module, weight: torch.Tensor) -> Callable[[torch.dt
     adapters = [a for a in layer.active_adapters if a in layer.scaling]
 
     def produce(dtype: torch.dtype) -> torch.Tensor:
-        out = weight.detach().float()
+        out = _full(weight.detach()).float()
         for adapter in adapters:
             out = out + _lora_delta(layer, adapter).to(out.device)
         return out.to(dtype)
@@ -98,9 +104,9 @@ def _merged_bias(layer: nn.Module, bias: torch.Tensor) -> Callable[[torch.dtype]
     adapters = [a for a in layer.active_adapters if getattr(layer, "lora_bias", {}).get(a)]
 
     def produce(dtype: torch.dtype) -> torch.Tensor:
-        out = bias.detach().float()
+        out = _full(bias.detach()).float()
         for a in adapters:
-            out = out + layer.lora_B[a].bias.detach().float() * layer.scaling[a]
+            out = out + _full(layer.lora_B[a].bias.detach()).float() * layer.scaling[a]
         return out.to(dtype)
 
     return produce
