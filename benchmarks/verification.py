@@ -159,11 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for r in results:
         print(f"engine score_batch median {r['engine_score_s'] * 1e3:.1f} ms ({r['engine']} engine)")
-    missed = [(r["engine"], r["trainer"], c) for r in results for c in CASES
-              if any(x["rejected"] != (c != "correct") for x in r["figures"][c])]
-    for m in missed:
-        print(f"[verification] verdict differs from the intended one: {m}")
-    return 1 if any(c in ("correct", "stale_head", "garbage") for *_, c in missed) else 0
+    failed = False
+    for r in results:
+        noise = 2 * max(x["mean"] for x in r["figures"]["correct"])
+        for c in CASES:
+            for x in r["figures"][c]:
+                if x["rejected"] == (c != "correct"):
+                    continue
+                if c != "correct" and x["mean"] <= noise:
+                    # The defect did not happen: the engine served what a correct sync serves
+                    # (vLLM-CPU in float16 keeps no separate copy of a tied head to go stale).
+                    print(f"[verification] {r['engine']}/{r['trainer']} {c}: not a defect here "
+                          f"(mean {x['mean']:.3g}, correct syncs up to {noise / 2:.3g})")
+                    continue
+                failed = True
+                print(f"[verification] {r['engine']}/{r['trainer']} {c}: wrong verdict {x}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
