@@ -305,7 +305,9 @@ def merged_parameter(
             )
 
     def produce(dtype: torch.dtype) -> torch.Tensor:
-        out = param.detach().float()
+        from .stream import _full  # gathers an FSDP2-sharded tensor
+
+        out = _full(param.detach()).float()
         for a in adapters:
             out = out + _param_delta(wrapper, a).to(out.device)
         return out.to(dtype)
@@ -314,10 +316,14 @@ def merged_parameter(
 
 
 def _param_delta(wrapper: Any, adapter: str, device: str | None = None) -> torch.Tensor:
+    from .stream import _full  # gathers an FSDP2-sharded tensor
+
     a = wrapper.lora_A[adapter].weight.detach()
     b = wrapper.lora_B[adapter].weight.detach()
-    if device == "meta":
-        a, b = a.to("meta"), b.to("meta")
+    if device == "meta":  # shapes only (the global shapes of sharded factors)
+        a, b = torch.empty(a.shape, device="meta"), torch.empty(b.shape, device="meta")
+    else:
+        a, b = _full(a), _full(b)
     a, b = a.float(), b.float()
     scale = wrapper.scaling[adapter]
     experts = wrapper.num_experts
