@@ -13,8 +13,9 @@ converts therefore syncs without any code here; a model without rules passes thr
 
 Nothing is materialised while planning: the rules run once per parameter on a ``meta`` tensor,
 which yields every checkpoint name and shape. When a checkpoint tensor is a view of the fused
-parameter (every MoE family so far: expert ``e``'s gate projection is ``gate_up_proj[e, :I]``),
-it is taken as that view of the trainer's memory, so a sync in the trainer's dtype copies nothing.
+parameter (as in Qwen3-MoE and Mixtral: expert ``e``'s gate projection is
+``gate_up_proj[e, :I]``), it is taken as that view of the trainer's memory, so a sync in the
+trainer's dtype copies nothing.
 Otherwise (an op that permutes or concatenates) transformers' ops run on the real tensor, once
 per parameter, when the stream reaches it.
 
