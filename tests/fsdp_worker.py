@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import copy
 import os
-from contextlib import nullcontext
 import sys
 import time
+from contextlib import nullcontext
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -61,7 +61,8 @@ def build(rank: int, seed: int, *, lora_rank: int | None = None, **overrides):
     if lora_rank is not None:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=16, target_modules=LORA_TARGETS))
+        config = LoraConfig(r=lora_rank, lora_alpha=16, target_modules=LORA_TARGETS)
+        model = get_peft_model(model, config)
     reference = copy.deepcopy(model) if rank == 0 else None
     shard(model)
     train(model, reference, seed)
@@ -96,9 +97,19 @@ def main(checkpoint: str) -> None:
     dist.init_process_group("gloo")
     mine = engine if rank == 0 else None
 
+    synced: list[float] = []  # seconds of each successful sync, for the log
+
+    def sync(*args):
+        report = distributed.sync(*args)
+        synced.append(report.seconds)
+        return report
+
     def case(name: str, started: float) -> None:
         dist.barrier()
-        print(f"CASE {name} OK rank {rank} {time.perf_counter() - started:.2f}", flush=True)
+        took = time.perf_counter() - started
+        syncs = " ".join(f"{s:.3f}" for s in synced)
+        print(f"CASE {name} OK rank {rank} {took:.2f}s, syncs {syncs}s", flush=True)
+        synced.clear()
 
     # Full training: the engine differs before, matches the unsharded trainer after.
     t = time.perf_counter()
@@ -106,7 +117,7 @@ def main(checkpoint: str) -> None:
     if rank == 0:
         before, trainer = tokens(ref, engine)
         assert before != trainer, "the engine already matched before the sync"
-    report = distributed.sync(FullSync(), model, mine)
+    report = sync(FullSync(), model, mine)
     assert report.tensors > 0 and report.strategy == "FullSync", report
     if rank == 0:
         testing.assert_matches(ref, engine)
@@ -117,7 +128,8 @@ def main(checkpoint: str) -> None:
     wrong, _ = build(rank, seed=1, intermediate_size=512)
     with testing.count_writes(engine) if rank == 0 else nullcontext([]) as writes:
         message = refused(rank, FullSync(), wrong, mine)
-    assert "shape mismatch" in message and message.startswith("rank 0: WeightMismatchError"), message
+    assert message.startswith("rank 0: WeightMismatchError"), message
+    assert "shape mismatch" in message, message
     if rank == 0:
         assert writes == [], writes
         testing.assert_matches(ref, engine)
@@ -148,7 +160,7 @@ def main(checkpoint: str) -> None:
         raise AssertionError("the failing sync did not raise")
     if rank == 0:
         del engine.load_weights
-    report = distributed.sync(FullSync(bucket_bytes=64 << 10), model, mine)
+    report = sync(FullSync(bucket_bytes=64 << 10), model, mine)
     assert report.buckets > 3, report
     if rank == 0:
         testing.assert_matches(ref, engine)
@@ -160,7 +172,7 @@ def main(checkpoint: str) -> None:
     if rank == 0:
         before, trainer = tokens(lora_ref, engine)
         assert before != trainer, "the engine already matched before the merged sync"
-    report = distributed.sync(FullSync(lora="merge"), lora, mine)
+    report = sync(FullSync(lora="merge"), lora, mine)
     assert report.strategy == "FullSync(lora=merge)", report
     if rank == 0:
         testing.assert_matches(lora_ref, engine)
@@ -170,7 +182,7 @@ def main(checkpoint: str) -> None:
     t = time.perf_counter()
     syncer = Syncer(engine, train_type="lora") if rank == 0 else None
     train(lora, lora_ref, seed=4)
-    report = distributed.sync(syncer, lora, None)
+    report = sync(syncer, lora, None)
     assert report.strategy == "FullSync(lora=separate)", report
     if rank == 0:
         testing.assert_matches(lora_ref, engine)
@@ -178,7 +190,7 @@ def main(checkpoint: str) -> None:
     if rank == 0:
         before, trainer = tokens(lora_ref, engine)
         assert before != trainer, "the engine already matched before the adapter sync"
-    report = distributed.sync(syncer, lora, None)
+    report = sync(syncer, lora, None)
     assert report.strategy == "AdapterSync", report
     if rank == 0:
         testing.assert_matches(lora_ref, engine)

@@ -19,7 +19,10 @@ import pytest
 from weightsync import testing
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-CASES = ["full", "refused-shapes", "abort-mid-stream", "lora-merged", "lora-served", "refused-adapter-rank"]
+CASES = [
+    "full", "refused-shapes", "abort-mid-stream", "lora-merged", "lora-served",
+    "refused-adapter-rank",
+]
 TIMEOUT = 240
 
 
@@ -54,6 +57,8 @@ def test_fsdp2_two_ranks_sync_into_vllm_on_rank_0(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, output[-6000:]
+    print("\n".join(line for line in output.splitlines() if "CASE " in line))  # shown with -s
     for case in CASES:
         for rank in (0, 1):
-            assert f"CASE {case} OK rank {rank}" in output, f"{case} on rank {rank}:\n{output[-6000:]}"
+            seen = f"CASE {case} OK rank {rank}" in output
+            assert seen, f"{case} on rank {rank}:\n{output[-6000:]}"

@@ -123,7 +123,7 @@ def _raise(rank: int, kind: str, message: str, cause: BaseException | None = Non
     text = f"rank {rank}: {kind}: {message}"
     try:
         exc = cls(text)
-    except Exception:  # an exception class whose constructor wants more than a message
+    except Exception:  # noqa: BLE001 -- a class whose constructor wants more than a message
         exc = RuntimeError(text)
     raise exc from cause
 
@@ -175,10 +175,11 @@ def sync(
         try:
             facts[0] = _prepare(how, engine)
             real = syncer.engine if syncer is not None else adapt(engine)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- every failure is shared with every rank
             facts[0] = {"error": _failure(exc)}
     elif engine is not None:
-        facts[0] = {"error": ("ValueError", f"rank {rank} was given an engine; only src={src} holds one")}
+        given = f"rank {rank} was given an engine; only src={src} holds one"
+        facts[0] = {"error": ("ValueError", given)}
     dist.broadcast_object_list(facts, src=src, group=group)
     if "error" in facts[0]:
         _raise(src, *facts[0]["error"])
@@ -192,13 +193,13 @@ def sync(
     try:
         plan = strategy.plan(model, _Facts(facts[0], real))
         mine = ("ok", _digest(plan))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- every failure is shared with every rank
         mine, failed = ("error", _failure(exc)), exc
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, mine, group=group)
     for r, (status, detail) in enumerate(outcomes):
         if status == "error":
-            _raise(r, *detail, cause=failed)
+            _raise(r, detail[0], detail[1], cause=failed)
     if any(detail != outcomes[0][1] for _, detail in outcomes):
         raise RuntimeError(
             "weightsync.distributed: the ranks planned different syncs (names, shapes or order "
@@ -260,7 +261,7 @@ def _lead(plan: Plan, engine: Engine | None, src: int, group: Any, start: float)
     )
     try:
         report = execute(dataclasses.replace(plan, weights=weights), engine, started=start)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- the other ranks must learn of any failure
         dist.broadcast(torch.tensor([_ABORT, 0, 0]), src=src, group=group)
         dist.broadcast_object_list([_failure(exc)], src=src, group=group)
         _raise(src, *_failure(exc), cause=exc)
