@@ -52,23 +52,29 @@ def _lora_manager(worker: Any) -> Any:
     return manager
 
 
+# What install_adapter uses of vLLM's private LoRA internals (as of vLLM 0.32).
+_MANAGER_ATTRS = ("lora_config", "vocab_size", "max_position_embeddings", "_adapter_manager")
+_INNER_ATTRS = (
+    "model", "supported_lora_modules", "packed_modules_mapping", "capacity", "remove_adapter",
+    "add_adapter", "activate_adapter", "_validate_moe_lora_format", "_validate_modules_to_save",
+    "_validate_token_classification_lora",
+)
+
+
 def supports_memory_load(worker: Any) -> bool:
-    """Whether this worker's vLLM has the internals :func:`install_adapter` relies on."""
-    from vllm.lora.lora_model import LoRAModel
+    """Whether this worker's vLLM has the internals :func:`install_adapter` relies on; if not,
+    the caller loads the adapter from a folder instead."""
+    from vllm.lora import lora_model
     from vllm.lora.peft_helper import PEFTHelper
 
     manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
-    inner = getattr(manager, "_adapter_manager", None)
     return (
-        inner is not None
-        and hasattr(LoRAModel, "from_lora_tensors")
+        manager is not None
+        and all(hasattr(manager, attr) for attr in _MANAGER_ATTRS)
+        and all(hasattr(manager._adapter_manager, attr) for attr in _INNER_ATTRS)
+        and hasattr(lora_model.LoRAModel, "from_lora_tensors")
+        and hasattr(lora_model, "_is_remote_expert_key")
         and hasattr(PEFTHelper, "from_dict")
-        and all(
-            hasattr(inner, attr)
-            for attr in ("supported_lora_modules", "packed_modules_mapping", "remove_adapter",
-                         "add_adapter", "activate_adapter", "capacity")
-        )
-        and all(hasattr(manager, attr) for attr in ("lora_config", "vocab_size", "max_position_embeddings"))
     )
 
 
