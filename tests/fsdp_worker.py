@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from weightsync import FullSync, Syncer, distributed, errors, testing
+from weightsync import FullSync, ReloadWeights, Syncer, distributed, errors, testing
 from weightsync.engines.base import adapt
 from weightsync.stream import inner_model
 
@@ -197,6 +197,21 @@ def main(checkpoint: str) -> None:
         assert syncer.base_sync_done
     case("lora-served", t)
 
+    # ReloadWeights: the engine re-reads its checkpoint (the LoRA base is untouched) and loads
+    # the gathered adapter; then a snapshot of the merged weights, written by rank 0 only.
+    t = time.perf_counter()
+    train(lora, lora_ref, seed=7)
+    report = sync(ReloadWeights(), lora, mine)
+    assert report.strategy == "ReloadWeights(checkpoint)", report
+    if rank == 0:
+        testing.assert_matches(lora_ref, engine)
+    snapshot = os.path.join(os.path.dirname(checkpoint), "snapshot")
+    report = sync(ReloadWeights(snapshot_dir=snapshot), model, mine)
+    assert report.strategy == "ReloadWeights(snapshot)", report
+    if rank == 0:
+        testing.assert_matches(ref, engine)
+    case("reload", t)
+
     # A refusal only the engine rank can see (adapter rank above the engine's max_lora_rank).
     t = time.perf_counter()
     big, _ = build(rank, seed=6, lora_rank=32)
@@ -205,7 +220,7 @@ def main(checkpoint: str) -> None:
     assert message.startswith("rank 0: AdapterError") and "max_lora_rank" in message, message
     if rank == 0:
         assert writes == [], writes
-        testing.assert_matches(lora_ref, engine)
+        testing.assert_matches(ref, engine)  # still the snapshot's weights
     case("refused-adapter-rank", t)
 
     dist.destroy_process_group()

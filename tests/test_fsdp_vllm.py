@@ -20,7 +20,7 @@ from weightsync import testing
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 CASES = [
-    "full", "refused-shapes", "abort-mid-stream", "lora-merged", "lora-served",
+    "full", "refused-shapes", "abort-mid-stream", "lora-merged", "lora-served", "reload",
     "refused-adapter-rank",
 ]
 TIMEOUT = 240
