@@ -117,6 +117,14 @@ def _disarm_faults(request):
             value.fail_after, value.corrupt_next = None, False
 
 
+def discard(engine):
+    """T.discard_weights, plus what a level-2 sleep does to a served adapter: vLLM drops every
+    adapter when its base weights are reloaded, and an adapter loaded from memory cannot be
+    reloaded from its path, so the engine no longer serves one."""
+    T.discard_weights(engine)
+    engine._forget_adapter()
+
+
 def lora_model(seed, arch="llama", **cfg):
     model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**LORA, **cfg}))
     T.perturb(model, seed=seed, scale=0.3)
@@ -162,7 +170,7 @@ def test_sync_into_sleeping_weights_is_refused(lora_engine, level):
     if level == 1:  # level 1 kept the weights: the engine still serves the previous ones
         T.assert_matches(served, lora_engine, atol=ATOL)
     else:
-        T.discard_weights(lora_engine)  # what level 2 did on a GPU
+        discard(lora_engine)  # what level 2 did on a GPU
     assert differs(newer, lora_engine)
     report = syncer.sync(newer)
     assert report.strategy.startswith("FullSync")
@@ -196,7 +204,7 @@ def test_adapter_only_after_level2_is_refused(lora_engine, tell):
     else:
         lora_engine.llm.sleep(level=2)
         lora_engine.mark_asleep(2)
-    T.discard_weights(lora_engine)
+    discard(lora_engine)
     lora_engine.wake_up()
     assert lora_engine.base_discarded and lora_engine.sleep_level == 2
 
@@ -222,7 +230,7 @@ def test_reload_from_checkpoint_also_restores_after_level2(lora_engine):
     model = lora_model(seed=7)
     FullSync().sync(model, lora_engine)
     lora_engine.sleep(2)
-    T.discard_weights(lora_engine)
+    discard(lora_engine)
     lora_engine.wake_up()
     assert differs(model, lora_engine)
     ReloadWeights().sync(model, lora_engine)
@@ -283,7 +291,7 @@ def test_syncer_recovers_after_failure_mid_sync(lora_engine, plain_engine, small
     # Next step: a level-2 sleep forces a full sync (also for LoRA), which fails after 3 buckets.
     T.perturb(model, seed=21, scale=0.3)
     engine.sleep(2)
-    T.discard_weights(engine)
+    discard(engine)
     engine.wake_up()
     engine.fail_after = 3
     with pytest.raises(InjectedFault):  # not swallowed
