@@ -55,17 +55,22 @@ def train(model: torch.nn.Module, reference: torch.nn.Module | None, seed: int) 
             ref[name].add_(noise)
 
 
-def build(rank: int, seed: int, *, lora_rank: int | None = None, **overrides):
-    """(sharded model, unsharded reference on rank 0) after one training step."""
+def build(rank: int, seed: int | None, *, lora_rank: int | None = None, dora: bool = False,
+          **overrides):
+    """(sharded model, unsharded reference on rank 0) after one training step (none when
+    ``seed`` is None: a step is collective, and ranks holding different models cannot take it)."""
     model = testing.tiny_model("qwen2", seed=0, **overrides)
     if lora_rank is not None:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=lora_rank, lora_alpha=16, target_modules=LORA_TARGETS)
+        config = LoraConfig(
+            r=lora_rank, lora_alpha=16, target_modules=LORA_TARGETS, use_dora=dora
+        )
         model = get_peft_model(model, config)
     reference = copy.deepcopy(model) if rank == 0 else None
     shard(model)
-    train(model, reference, seed)
+    if seed is not None:
+        train(model, reference, seed)
     return model, reference
 
 
@@ -222,6 +227,17 @@ def main(checkpoint: str) -> None:
         assert writes == [], writes
         testing.assert_matches(ref, engine)  # still the snapshot's weights
     case("refused-adapter-rank", t)
+
+    # A refusal only rank 1 sees (its adapter is DoRA, rank 0's is not): rank 0 raises it too.
+    t = time.perf_counter()
+    odd, _ = build(rank, None, lora_rank=8, dora=rank == 1)
+    with testing.count_writes(engine) if rank == 0 else nullcontext([]) as writes:
+        message = refused(rank, FullSync(lora="merge"), odd, mine)
+    assert message.startswith("rank 1: UnsupportedModelError") and "DoRA" in message, message
+    if rank == 0:
+        assert writes == [], writes
+        testing.assert_matches(ref, engine)
+    case("refused-on-rank-1", t)
 
     dist.destroy_process_group()
 
