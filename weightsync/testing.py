@@ -115,6 +115,8 @@ def discard_weights(engine: Engine | Any, *, seed: int = 1234) -> None:
     )
     engine.llm.reset_prefix_cache()
     engine.held = {}  # written behind weightsync's back: it holds nothing weightsync sent
+    # vLLM's reload drops its adapters too: a request kept from before must not come back.
+    getattr(engine, "_forget_adapter", lambda: None)()
 
 
 @torch.no_grad()

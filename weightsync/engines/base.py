@@ -33,6 +33,10 @@ class Engine(ABC):
     #: Name under which the adapter is registered (see :func:`register`).
     name: ClassVar[str]
 
+    #: A write that leaves some layers out leaves them as they were, so a sync may skip the
+    #: layers the engine already holds exactly (see ``strategies.base.unchanged``).
+    keeps_unsent_layers: bool = True
+
     @classmethod
     def accepts(cls, obj: Any) -> bool:
         """Whether this adapter can wrap the raw engine ``obj`` (used by :func:`adapt`)."""

