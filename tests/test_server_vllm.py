@@ -24,6 +24,7 @@ from weightsync import AdapterSync, FullSync, policy
 from weightsync import testing as T
 from weightsync.engines.vllm.server import (
     WORKER_EXTENSION,
+    EngineBrokenError,
     HTTPControl,
     Replicas,
     VLLMServerEngine,
@@ -225,14 +226,13 @@ def one_per_bucket(model, engine):
 
 
 def _bad_stream(model, engine, kind):
-    """The model's buckets, failing after the first layer's: the trainer raises, or a tensor
-    the engine cannot load (wrong shape) reaches the workers part-way through their reload."""
+    """The model's buckets, failing part-way through layer 0: the trainer raises, or a tensor
+    the engine cannot load (a name its model lacks) reaches the workers mid-reload."""
     stream = one_per_bucket(model, engine)
     yield from stream[:6]
     if kind == "trainer":
         raise RuntimeError("injected: the trainer failed producing the next bucket")
-    name, tensor = stream[6][0]
-    yield [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:]))]
+    yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
 
 
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
@@ -243,8 +243,9 @@ def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transp
     old = full_model(seed=40)
     FullSync().sync(old, engine)
     new = full_model(seed=41 + tp)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as failed:
         engine.load_weights(_bad_stream(new, engine, kind))
+    assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed
     assert servers[tp].alive(), servers[tp].tail()
     engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
     assert engine.base_discarded, "a failed write must mark the base unsynced"

@@ -19,9 +19,9 @@ the worker extension, read from the model vLLM built, not from the caller.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -32,7 +32,7 @@ import torch
 from ...errors import AdapterError, WeightSyncError
 from ...plan import Adapter, Bucket
 from ..base import Engine, register
-from .transport import Transport, make_transport
+from .transport import Transport, _tmpfs, make_transport
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
@@ -304,17 +304,28 @@ class RemoteVLLMEngine(Engine):
         self._expected = {k: tuple(v) for k, v in self.facts["weights"].items()}
         self.transport = make_transport(transport)
         self.transport.connect(self._rpc, int(self.facts["world_size"]))
-        owned = adapter_dir is None
-        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=shm))
-        self._owns_adapter_root = owned
+        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=_tmpfs()))
+        self._remove_adapter_root = (
+            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
+            if adapter_dir is None
+            else None
+        )
         self.lora_name = lora_name
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._version = 0
 
-    def _rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
-        return self.control.rpc(method, kwargs)
+    def _rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``control.rpc``, raising the errors the workers return (see ``worker.py``)."""
+        results = self.control.rpc(method, kwargs)
+        errors = [
+            f"worker {i}: {r['weightsync_error']}"
+            for i, r in enumerate(results)
+            if isinstance(r, dict) and "weightsync_error" in r
+        ]
+        if errors:
+            raise RuntimeError(f"{method} failed in the engine's workers: " + "; ".join(errors))
+        return results
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -372,7 +383,7 @@ class RemoteVLLMEngine(Engine):
         self._forget_adapter()
         self._write(
             "reload_checkpoint",
-            lambda: self.control.rpc("weightsync_reload_checkpoint", {"path": path or ""}),
+            lambda: self._rpc("weightsync_reload_checkpoint", {"path": path or ""}),
         )
         return 1
 
@@ -465,8 +476,8 @@ class RemoteVLLMEngine(Engine):
     def close(self) -> None:
         """Release the transport and the adapter folders this engine created."""
         self.transport.close()
-        if self._owns_adapter_root:
-            shutil.rmtree(self._adapter_root, ignore_errors=True)
+        if self._remove_adapter_root is not None:
+            self._remove_adapter_root()
 
 
 class VLLMServerEngine(RemoteVLLMEngine):

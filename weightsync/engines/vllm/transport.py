@@ -133,6 +133,8 @@ class GlooTransport(Transport):
             host; an address the engine's host can reach otherwise).
         port: the rendezvous port (0: a free one).
         timeout_s: how long a broadcast waits for a peer before failing.
+
+    A server's workers hold one gloo group: one gloo engine per server at a time.
     """
 
     name = "gloo"

@@ -224,49 +224,63 @@ class WeightsyncWorker:
 
     # --- loading -------------------------------------------------------------------------------
 
-    def _weightsync_load(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+    # Every write RPC *returns* its error instead of raising it: vLLM's multiprocess executor
+    # stops reading replies at the first failed worker, so with TP>1 the other workers' replies
+    # would stay queued and answer the next calls (measured: the server then hangs).
+
+    def _weightsync_load(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, str] | None:
         """``reload_weights`` that leaves the worker serving when it fails part-way (see
         ``VLLMEngine._reload``): on error every unfinished layer gets its previous tensors
-        back, and the error is re-raised so the trainer knows the base is a mix."""
+        back, and the error is returned so the trainer knows the base is a mix."""
         try:
             self.model_runner.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 (returned to the trainer, see above)
             self.weightsync_abandon()
-            raise
+            return _error(e)
+        return None
 
-    def weightsync_load_files(self, folder: str) -> None:
+    def weightsync_load_files(self, folder: str) -> dict[str, str] | None:
         """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport)."""
-        self._weightsync_load(read_bucket_files(folder, {}))
+        return self._weightsync_load(read_bucket_files(folder, {}))
 
-    def weightsync_reload_checkpoint(self, path: str = "") -> None:
+    def weightsync_reload_checkpoint(self, path: str = "") -> dict[str, str] | None:
         """Re-read a checkpoint folder (the one the engine started from when ``path`` is
         empty), sending tied tensors under every name, so ``lm_head`` is not left stale."""
         facts = self.weightsync_facts()
-        self._weightsync_load(read_bucket_files(path or facts["checkpoint"], facts["twins"]))
+        return self._weightsync_load(read_bucket_files(path or facts["checkpoint"], facts["twins"]))
 
-    def weightsync_join_gloo(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+    def weightsync_join_gloo(
+        self, host: str, port: int, world_size: int, timeout_s: float
+    ) -> dict[str, str] | None:
         """Join the trainer's gloo group as rank ``1 + worker rank`` (the trainer is rank 0)."""
-        self._weightsync_group, self._weightsync_store = gloo_group(
-            host, int(port), 1 + self.rank, int(world_size), float(timeout_s)
-        )
+        try:
+            self._weightsync_group, self._weightsync_store = gloo_group(
+                host, int(port), 1 + self.rank, int(world_size), float(timeout_s)
+            )
+        except Exception as e:  # noqa: BLE001 (returned to the trainer, see above)
+            return _error(e)
+        return None
 
-    def weightsync_receive_gloo(self) -> None:
+    def weightsync_receive_gloo(self) -> dict[str, str] | None:
         """Load what the trainer broadcasts over the gloo group until its END frame. On a
         failure here the stream is drained first, so the trainer's broadcasts complete."""
         group = getattr(self, "_weightsync_group", None)
         if group is None:
-            raise RuntimeError("no gloo group: call weightsync_join_gloo first")
+            return {"weightsync_error": "no gloo group: call weightsync_join_gloo first"}
         receiver = GlooReceiver(group)
-        try:
-            self._weightsync_load(iter(receiver))
-        except BaseException:
+        error = self._weightsync_load(iter(receiver))
+        if error is not None:
             receiver.drain()
-            raise
+        return error
 
     def weightsync_abandon(self) -> bool:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
         back. Safe to call when nothing is pending; returns whether anything was."""
         return abandon_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+
+def _error(e: BaseException) -> dict[str, str]:
+    return {"weightsync_error": f"{type(e).__name__}: {e}"}
 
 
 def _lora_modules(model: torch.nn.Module) -> set[str]:
