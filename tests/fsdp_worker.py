@@ -239,6 +239,16 @@ def main(checkpoint: str) -> None:
         testing.assert_matches(ref, engine)
     case("refused-on-rank-1", t)
 
+    # A caller mistake on rank 1 (an engine passed where only rank 0 holds one) fails both.
+    t = time.perf_counter()
+    try:
+        distributed.sync(FullSync(), model, mine if rank == 0 else object())
+    except ValueError as exc:
+        assert str(exc) == "rank 1: ValueError: rank 1 was given an engine; only rank 0 holds one"
+    else:
+        raise AssertionError("an engine on rank 1 was accepted")
+    case("engine-on-rank-1", t)
+
     dist.destroy_process_group()
 
 

@@ -21,7 +21,7 @@ from weightsync import testing
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 CASES = [
     "full", "refused-shapes", "abort-mid-stream", "lora-merged", "lora-served", "reload",
-    "refused-adapter-rank", "refused-on-rank-1",
+    "refused-adapter-rank", "refused-on-rank-1", "engine-on-rank-1",
 ]
 TIMEOUT = 240
 

@@ -177,9 +177,6 @@ def sync(
             real = syncer.engine if syncer is not None else adapt(engine)
         except Exception as exc:  # noqa: BLE001 -- every failure is shared with every rank
             facts[0] = {"error": _failure(exc)}
-    elif engine is not None:
-        given = f"rank {rank} was given an engine; only src={src} holds one"
-        facts[0] = {"error": ("ValueError", given)}
     dist.broadcast_object_list(facts, src=src, group=group)
     if "error" in facts[0]:
         _raise(src, *facts[0]["error"])
@@ -191,13 +188,16 @@ def sync(
     mine: tuple[str, Any]
     failed: Exception | None = None
     try:
+        if rank != src and engine is not None:
+            raise ValueError(f"rank {rank} was given an engine; only rank {src} holds one")
         plan = strategy.plan(model, _Facts(facts[0], real))
         mine = ("ok", _digest(plan))
     except Exception as exc:  # noqa: BLE001 -- every failure is shared with every rank
         mine, failed = ("error", _failure(exc)), exc
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, mine, group=group)
-    for r, (status, detail) in enumerate(outcomes):
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(outcomes))
+    for r, (status, detail) in zip(ranks, outcomes):
         if status == "error":
             _raise(r, detail[0], detail[1], cause=failed)
     if any(detail != outcomes[0][1] for _, detail in outcomes):
