@@ -26,6 +26,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import functools
+import socket
 import weakref
 
 import pytest
@@ -121,6 +122,11 @@ def cpu_patches():
             DISCARDS.append(level)
 
     with pytest.MonkeyPatch.context() as mp:
+        # The trainer's (gloo) process group: on 127.0.0.1, on a port free now, not 29500.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            mp.setenv("MASTER_ADDR", "127.0.0.1")
+            mp.setenv("MASTER_PORT", str(s.getsockname()[1]))
         mp.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
         mp.setattr(trl_vllm, "LLM", make_cpu_llm)
         mp.setattr(LLM, "sleep", sleep_discarding)

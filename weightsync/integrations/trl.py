@@ -20,11 +20,10 @@ What it changes, and why each piece is needed:
   ``syncer.sync(model)``, then clear TRL's ``_llm_weights_sleeping`` flag. Clearing it matters:
   ``generate()`` re-syncs whenever that flag is set, so leaving it would sync twice per step.
 - TRL sleeps and wakes the ``vllm.LLM`` itself (``llm.sleep(level=2)`` in its ``__init__`` and
-  after every generate). The engine adapter must know, because after a level-2 sleep only a full
-  restore is safe. The ``LLM``'s ``sleep``/``wake_up`` are wrapped on the instance to report each
-  call to the adapter (:meth:`~weightsync.engines.Engine.mark_asleep` /
-  :meth:`~weightsync.engines.Engine.mark_awake`); the adapter's record is the only sleep state,
-  this module keeps none. The same wrapper applies ``sleep_level``: TRL always asks for level 2.
+  after every generate). Nothing here tracks that: :class:`~weightsync.engines.VLLMEngine` sees
+  every sleep and wake made on its ``LLM`` (a sleep from before it existed counts as level 2),
+  and its record is the only sleep state. TRL always asks for level 2; with ``sleep_level=1`` the
+  ``LLM``'s ``sleep`` is wrapped on the instance to sleep at level 1 instead.
 - ``serve_lora=True``: the engine serves the adapter itself, so with ``sleep_level=1`` a step
   sends only the adapter (``AdapterSync``). ``GRPOConfig`` cannot pass ``enable_lora`` to the
   ``LLM`` TRL creates, so the ``LLM`` is created again, by TRL's own ``_init_vllm`` (same
@@ -115,10 +114,8 @@ def use_weightsync(
         _recreate_llm_with_lora(vg, max_lora_rank or _lora_rank_for(model))
 
     engine = VLLMEngine(vg.llm)
-    _report_sleeps(vg.llm, engine, sleep_level)
-    if vg.llm.llm_engine.is_sleeping():
-        # TRL slept in its __init__, before the adapter existed, at level 2.
-        engine.mark_asleep(2)
+    if sleep_level != 2:
+        _sleep_at(vg.llm, sleep_level)
     if serve_lora:
         _generate_with_adapter(vg.llm, engine)
 
@@ -186,27 +183,15 @@ def _check_supported(vg: Any, sleep_level: int, verify: bool) -> None:
         )
 
 
-def _report_sleeps(llm: Any, engine: VLLMEngine, sleep_level: int) -> None:
-    """Wrap ``llm.sleep``/``llm.wake_up`` on the instance: apply ``sleep_level`` to TRL's
-    level-2 sleeps, and tell the engine adapter what happened (it holds the sleep state)."""
-    sleep, wake_up = llm.sleep, llm.wake_up
+def _sleep_at(llm: Any, chosen: int) -> None:
+    """TRL's ``llm.sleep(level=2)`` calls sleep at ``chosen`` (wrapped on the ``LLM`` instance)."""
+    sleep = llm.sleep
 
     @functools.wraps(sleep)
-    def sleep_and_report(level: int = 1, *args: Any, **kwargs: Any) -> Any:
-        if level == 2:
-            level = sleep_level
-        result = sleep(level, *args, **kwargs)
-        engine.mark_asleep(level)
-        return result
+    def sleep_at_chosen_level(level: int = 2, mode: Any = "abort") -> Any:
+        return sleep(level=chosen, mode=mode)
 
-    @functools.wraps(wake_up)
-    def wake_and_report(tags: list[str] | None = None) -> Any:
-        result = wake_up(tags)
-        engine.mark_awake(tags)
-        return result
-
-    llm.sleep = sleep_and_report
-    llm.wake_up = wake_and_report
+    llm.sleep = sleep_at_chosen_level
 
 
 def _generate_with_adapter(llm: Any, engine: VLLMEngine) -> None:
