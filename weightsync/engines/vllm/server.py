@@ -609,7 +609,7 @@ class Replicas(Engine):
                 raise
             failed = [f for f in futures if f.done() and f.exception() is not None]
             put(_Abort("another replica failed") if failed else done)
-            errors = [f.exception() for f in futures if f.exception() is not None]
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
         if errors:
             raise errors[0]
         return sum(f.result() for f in futures)

@@ -155,7 +155,7 @@ class GlooTransport(Transport):
         self._store = TCPStore(self.host, self.port, size, True, timeout=timeout, wait_for_workers=False)
         kwargs = {"host": self.host, "port": self._store.port, "world_size": size, "timeout_s": self.timeout_s}
         joined = self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
-        options = ProcessGroupGloo._Options()
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [_gloo_device(self.host)]
         try:

@@ -119,7 +119,7 @@ def gloo_group(host: str, port: int, rank: int, size: int, timeout_s: float) -> 
 
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore(host, port, size, False, timeout=timeout)
-    options = ProcessGroupGloo._Options()
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [_gloo_device(host)]
     return ProcessGroupGloo(store, rank, size, options), store
@@ -177,6 +177,11 @@ class WeightsyncWorker:
     Method names start with ``weightsync_`` because vLLM refuses an extension whose names
     collide with the worker's own.
     """
+
+    # Provided by the vLLM worker class this is mixed into.
+    vllm_config: Any
+    model_runner: Any
+    rank: int
 
     # --- facts ---------------------------------------------------------------------------------
 
