@@ -576,7 +576,7 @@ def test_nan_after_the_first_positions_fails_verification(plain_engine):
     token = next(t for t in prompts[1] if t not in prompts[0])
     embedding = model.model.embed_tokens.weight.detach().clone()
     embedding[token] = float("nan")
-    plain_engine.load_weights([[("model.embed_tokens.weight", embedding)]])
+    plain_engine.load_weights([[("model.embed_tokens.weight", embedding)]])  # not a sync
     scores = plain_engine.score_batch(prompts, 8)
     first = [v for pos in scores[0] for v in pos.values()]
     later = [v for pos in scores[1] for v in pos.values()]

@@ -155,6 +155,9 @@ def check_engine(
     mean, largest = score_diffs(engine.score_batch(prompts, TOP_K), trainer_prompt_logprobs(model, prompts))
     limit = tolerance or TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
     if not (mean <= limit.mean and largest <= limit.max):  # NaN fails too
+        # The engine does not hold what was sent: keep no record of it, so that the next sync
+        # resends every weight instead of skipping the ones it believes unchanged.
+        engine.held = {}
         at = f" at step {step}" if step is not None else ""
         raise VerificationError(
             f"{strategy}{at}: the engine's logprobs on the canary prompts differ from the "
