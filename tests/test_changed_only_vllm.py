@@ -144,3 +144,27 @@ def test_merged_lora_resends_only_targeted_layers(engines):
     report, got = step_and_sync(model, engine, seed=13)
     assert set(report.plan.skipped) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     assert "FullSync" in str(report.plan) and "skip 3 weights" in str(report.plan)
+
+
+def test_fused_optimizer_steps_are_always_sent(engines):
+    """torch's fused AdamW (transformers' default optimizer) writes parameters without bumping
+    their version counter, so a trainable tensor is never skipped, whatever its counter says."""
+    import torch
+
+    engine = engines["llama"]
+    model = frozen("llama", ("model.embed_tokens",))
+    step_and_sync(model, engine, seed=14)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    versions = [p._version for p in trainable]
+    optimizer = torch.optim.AdamW(trainable, lr=0.05, fused=True)
+    model.train()
+    model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]]), labels=torch.tensor([[1, 2, 3, 4, 5, 6]])).loss.backward()
+    optimizer.step()
+    model.eval()
+    assert [p._version for p in trainable] == versions, "fused AdamW bumped the counters: test is moot"
+    stale = T.compare(model, engine)
+    assert stale["engine"] != stale["trainer"]
+    with Received(engine) as got:
+        report = FullSync().sync(model, engine)
+    T.assert_matches(model, engine, atol=ATOL)
+    assert report.plan.skipped == ("model.embed_tokens.weight",) and len(got.names) == len(engine.expected_weights) - 1

@@ -66,14 +66,18 @@ class Adapter:
 
 
 def change_key(t: Tensor) -> tuple | None:
-    """What ``t``'s value depends on, as a key that differs whenever the value may differ.
+    """What ``t``'s value depends on, as a key that differs whenever the value may differ, or
+    None when that cannot be told without reading the data (the tensor is then always sent).
 
-    Each input tensor contributes its identity, its in-place version counter (bumped by every
-    in-place write: optimizer steps, ``copy_``, ``load_state_dict``) and its storage address (a
-    ``.data`` swap); scales contribute their value. Computing it reads no data. None: the
-    tensor has no declared inputs and must always be sent.
+    Only tensors computed from inputs no optimizer updates get a key: an input that requires
+    grad makes it None, because fused optimizers (``torch._fused_adamw_``, the transformers
+    default) write parameters without bumping their version counter -- measured. For the
+    others, each input tensor contributes its identity, its in-place version counter (bumped by
+    every other in-place write: ``copy_``, ``load_state_dict``, ``add_``) and its storage address
+    (a ``.data`` swap); scales contribute their value. Nothing is read from the data.
     """
-    if not t.inputs:
+    tensors = [x for x in t.inputs if isinstance(x, torch.Tensor)]
+    if not t.inputs or any(x.requires_grad for x in tensors):
         return None
     return (t.merged,) + tuple(
         (id(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else x for x in t.inputs

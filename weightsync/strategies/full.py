@@ -39,10 +39,12 @@ class FullSync(Strategy):
     Args:
         lora: how to send a LoRA model (ignored for a model without adapters).
         bucket_bytes: size of the groups tensors are materialised and sent in.
-        skip_unchanged: leave out the layers the engine already holds exactly (unchanged
-            since the last completed sync into it: frozen embeddings, frozen layers). Never
-            after a level-2 sleep, a failed sync or a checkpoint reload, which empty the
-            engine's record. See :func:`~weightsync.strategies.base.unchanged`.
+        skip_unchanged: leave out the layers the engine already holds exactly: frozen
+            (``requires_grad=False``) and not written in place since the last completed sync
+            into it -- frozen embeddings, frozen layers, a vision tower, the base of a merged
+            LoRA's untargeted layers. Never after a level-2 sleep, a failed sync or a
+            checkpoint reload, which empty the engine's record. See
+            :func:`~weightsync.plan.change_key` and :func:`~weightsync.strategies.base.unchanged`.
         reason: why this strategy was chosen, for logs.
     """
 
