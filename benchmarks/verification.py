@@ -59,8 +59,8 @@ def measure(
     from weightsync.engines import VLLMEngine
     from weightsync.errors import VerificationError
     from weightsync.verify import (
-        TOP_K,
         TOLERANCE,
+        TOP_K,
         canary_prompts,
         check_engine,
         score_diffs,

@@ -55,7 +55,7 @@ def test_bf16_engine(engine, trainer_dtype):
     assert differs(model, engine)
     merged = FullSync(lora="merge").sync(model, engine, verify=True)
     # What vLLM received: every weight once, in bfloat16, the tied embedding under both names.
-    got = {name: t for name, t in engine.received}
+    got = dict(engine.received)
     assert len(got) == len(engine.received) and set(got) == set(engine.expected_weights)
     assert all(t.dtype == torch.bfloat16 for t in got.values())
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import sys
 import time
 
 import pytest
@@ -36,7 +35,6 @@ from weightsync.verify import (
     check_engine,
     max_abs_diff,
     score_diffs,
-    trainer_prompt_logprobs,
 )
 
 ATOL = 1e-3
