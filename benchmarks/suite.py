@@ -135,12 +135,14 @@ class Bench:
         if row.model == "peft" or row.key == "reload_checkpoint":
             self.peft.set_adapter(f"r{row.key.removeprefix('adapter_r')}" if row.key.startswith("adapter_r") else "r16")
         k = row.key
+        # FullSync rows measure a full push: skipping layers the engine already holds (frozen
+        # embeddings, the frozen base of a LoRA model) would make them measure nothing.
         if k == "full_dense":
-            return lambda: report(FullSync().sync(self.dense, eng))
+            return lambda: report(FullSync(skip_unchanged=False).sync(self.dense, eng))
         if k == "full_lora_merge":
-            return lambda: report(FullSync(lora="merge").sync(self.peft, eng))
+            return lambda: report(FullSync(lora="merge", skip_unchanged=False).sync(self.peft, eng))
         if k == "full_lora_separate":
-            return lambda: report(FullSync(lora="separate").sync(self.peft, eng))
+            return lambda: report(FullSync(lora="separate", skip_unchanged=False).sync(self.peft, eng))
         if k.startswith("adapter_r"):
             return lambda: report(AdapterSync().sync(self.peft, eng))
         if k == "reload_checkpoint":
@@ -272,7 +274,7 @@ class Bench:
         def vllm_only():
             eng.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
 
-        full = lambda: FullSync().sync(self.dense, eng)  # noqa: E731
+        full = lambda: FullSync(skip_unchanged=False).sync(self.dense, eng)  # noqa: E731
         reload = lambda: anchors.vllm_reload(eng, self.spec.checkpoint)  # noqa: E731
         for name, fn in [("trainer_stream_only", stream_only), ("vllm_reload_weights_in_memory_list", vllm_only),
                          ("full_dense", full), ("vllm_reload_from_checkpoint", reload)]:
@@ -411,7 +413,7 @@ def memory_check(shape_or_path: str, repeats: int, *, workdir: Path, log=print, 
 
     peft = with_adapters(load_trainer(spec), [16])
     engine = VLLMEngine(make_llm(spec.checkpoint, dtype=spec.dtype_name))
-    runs = measure(lambda: FullSync(lora="merge").sync(peft, engine), repeats, tick=tick)
+    runs = measure(lambda: FullSync(lora="merge", skip_unchanged=False).sync(peft, engine), repeats, tick=tick)
     out = {"model": spec.name, "params": spec.params, **memory_bound(peft, engine), **runs.summary()}
     del engine, peft
     gc.collect()
