@@ -16,6 +16,7 @@ B factors are non-zero, r16 active unless a row picks another).
 from __future__ import annotations
 
 import cProfile
+import functools
 import gc
 import io
 import pstats
@@ -413,7 +414,7 @@ def memory_check(shape_or_path: str, repeats: int, *, workdir: Path, log=print, 
 
     peft = with_adapters(load_trainer(spec), [16])
     engine = VLLMEngine(make_llm(spec.checkpoint, dtype=spec.dtype_name))
-    runs = measure(lambda: FullSync(lora="merge", skip_unchanged=False).sync(peft, engine), repeats, tick=tick)
+    runs = measure(functools.partial(FullSync(lora="merge", skip_unchanged=False).sync, peft, engine), repeats, tick=tick)
     out = {"model": spec.name, "params": spec.params, **memory_bound(peft, engine), **runs.summary()}
     del engine, peft
     gc.collect()

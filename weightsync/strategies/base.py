@@ -40,7 +40,7 @@ class SyncReport:
         seconds: wall time of the sync, checks included, verification excluded.
         engine_calls: calls made into the engine (RPCs, adapter loads, reloads).
         buckets: buckets the weight stream was cut into (0 if none was streamed).
-        verified_logprob_diff: largest logprob difference on the canary, if verified.
+        verified_logprob_diff: mean logprob difference on the canary prompts, if verified.
     """
 
     strategy: str
