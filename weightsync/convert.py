@@ -135,7 +135,7 @@ class Layout:
     ) -> dict[str, torch.Tensor]:
         # One key's share of revert_weight_conversion: a fresh converter per target, as there.
         converter = deepcopy(self._by_pattern[pattern])
-        converter.add_tensor(renamed, name, pattern, tensor)  # type: ignore[arg-type]
+        converter.add_tensor(renamed, name, pattern, tensor)
         with torch.no_grad():
             out = converter.convert(renamed, model=self._model, config=self._model.config)
         return {key: t[0] if isinstance(t, list) else t for key, t in out.items()}

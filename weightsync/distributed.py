@@ -92,8 +92,8 @@ class _Facts(Engine):
     def _cannot(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("weightsync.distributed: planning facts cannot write or generate")
 
-    load_weights = load_adapter = reload_checkpoint = _cannot  # type: ignore[assignment]
-    greedy_batch = score_batch = _engine_sleep = _engine_wake = _cannot  # type: ignore[assignment]
+    load_weights = load_adapter = reload_checkpoint = _cannot
+    greedy_batch = score_batch = _engine_sleep = _engine_wake = _cannot
 
 
 def _facts_of(engine: Engine, strategy: Strategy) -> dict[str, Any]:

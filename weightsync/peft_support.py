@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
 from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from peft import PeftModel  # untyped for mypy (peft is skipped): Any
 
 Mode = Literal["merge", "serve"]
 Handling = Literal["inert", "exact", "merge", "init", "refused"]
@@ -204,7 +207,7 @@ class Setup:
     notes: tuple[str, ...] = ()
 
 
-def check(model: nn.Module, mode: Mode) -> Setup:
+def check(model: PeftModel, mode: Mode) -> Setup:
     """Check a ``peft.PeftModel`` against the allowlist for ``mode``; raise on anything else.
 
     Args:
@@ -243,7 +246,7 @@ def check(model: nn.Module, mode: Mode) -> Setup:
     return Setup(adapters=adapters, rewrites_base=bool(rewritten), notes=tuple(notes))
 
 
-def _active_adapters(model: nn.Module) -> list[str]:
+def _active_adapters(model: PeftModel) -> list[str]:
     active = model.base_model.active_adapters if hasattr(model, "base_model") else model.active_adapters
     return [active] if isinstance(active, str) else list(active)
 

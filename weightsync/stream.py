@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, TypeGuard
 from weakref import WeakKeyDictionary
 
 import torch
@@ -30,13 +31,18 @@ from . import peft_support
 from .errors import UnsupportedModelError
 from .plan import Adapter, Tensor, nbytes, numel
 
+if TYPE_CHECKING:
+    # peft is untyped for mypy (skipped: Any); the names say what the code duck-types on.
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
 # vLLM's reload buffers whole layers until every tensor of a layer has arrived; sending tensors
 # in module (= layer) order keeps that buffer to one layer. 512 MiB is the bucket size the
 # peers converged on (verl, sglang): large enough that per-call overhead vanishes.
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
-def _is_peft(model: nn.Module) -> bool:
+def _is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
@@ -59,7 +65,7 @@ def _plain(t: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     return lambda dtype: _full(t.detach()).to(dtype)
 
 
-def _lora_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
+def _lora_delta(layer: LoraLayer, adapter: str) -> torch.Tensor:
     """scale * (B @ A) for one adapter of one LoRA layer, in float32, in the base weight's layout.
 
     Only the layer types :mod:`weightsync.peft_support` allows reach here (checked when the
@@ -76,7 +82,7 @@ def _lora_delta(layer: nn.Module, adapter: str) -> torch.Tensor:
     return (b @ a).T * scale
 
 
-def _merged_weight(layer: nn.Module, weight: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
+def _merged_weight(layer: LoraLayer, weight: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     adapters = [a for a in layer.active_adapters if a in layer.scaling]
 
     def produce(dtype: torch.dtype) -> torch.Tensor:
@@ -88,7 +94,7 @@ def _merged_weight(layer: nn.Module, weight: torch.Tensor) -> Callable[[torch.dt
     return produce
 
 
-def _merge_inputs(layer: nn.Module, base: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
+def _merge_inputs(layer: LoraLayer, base: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
     """Everything a merged weight or bias of ``layer`` is computed from: the base tensor, each
     active adapter's factors (and lora_B bias) and its scale."""
     inputs: list[torch.Tensor | float] = [base]
@@ -100,7 +106,7 @@ def _merge_inputs(layer: nn.Module, base: torch.Tensor) -> tuple[torch.Tensor | 
     return tuple(inputs)
 
 
-def _merged_bias(layer: nn.Module, bias: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
+def _merged_bias(layer: LoraLayer, bias: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     adapters = [a for a in layer.active_adapters if getattr(layer, "lora_bias", {}).get(a)]
 
     def produce(dtype: torch.dtype) -> torch.Tensor:
@@ -247,7 +253,8 @@ def buckets(
 # is where each factor lives (module path, attribute), never the parameter object: a parameter
 # replaced since (``load_state_dict(..., assign=True)``, an optimizer that swaps tensors) is
 # read where it is now. Resolving a path costs a few attribute lookups.
-_ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, str, str]]]] = (
+# (file key, module path, attribute), built by unpacking a str.rsplit: typed as tuple[str, ...].
+_ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, ...]]]] = (
     WeakKeyDictionary()
 )
 

@@ -11,13 +11,16 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .engines.base import Engine, adapt
 from .verify import max_abs_diff, trainer_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # untyped for mypy (transformers is skipped): Any
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7, 7, 7, 7, 900, 12]]
 
@@ -58,7 +61,7 @@ def tiny_model(arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype = torch
     return model.to(dtype).eval()
 
 
-def save_checkpoint(model: nn.Module, folder: str | Path) -> str:
+def save_checkpoint(model: PreTrainedModel, folder: str | Path) -> str:
     """Write ``model`` as a safetensors checkpoint vLLM can start from; returns the folder."""
     model.save_pretrained(str(folder), safe_serialization=True)
     return str(folder)
@@ -96,6 +99,14 @@ def make_llm(
     )
 
 
+def _llm(engine: Engine, what: str) -> Any:
+    """The ``vllm.LLM`` a vLLM engine adapter wraps (the base Engine does not declare one)."""
+    llm = getattr(engine, "llm", None)
+    if llm is None:
+        raise TypeError(f"{what} needs an engine wrapping a vllm.LLM, got {type(engine).__name__}")
+    return llm
+
+
 @torch.no_grad()
 def discard_weights(engine: Engine | Any, *, seed: int = 1234) -> None:
     """Simulate what a level-2 sleep does on a GPU: the engine's weights become garbage.
@@ -110,10 +121,11 @@ def discard_weights(engine: Engine | Any, *, seed: int = 1234) -> None:
         (name, torch.randn(shape, generator=gen, dtype=torch.float32).to(engine.dtype))
         for name, shape in engine.expected_weights.items()
     ]
-    engine.llm.collective_rpc(
+    llm = _llm(engine, "discard_weights")
+    llm.collective_rpc(
         "reload_weights", kwargs={"weights_iterator": garbage, "is_checkpoint_format": True}
     )
-    engine.llm.reset_prefix_cache()
+    llm.reset_prefix_cache()
     engine.held = {}  # written behind weightsync's back: it holds nothing weightsync sent
     # vLLM's reload drops its adapters too: a request kept from before must not come back.
     getattr(engine, "_forget_adapter", lambda: None)()
@@ -187,7 +199,7 @@ def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
     adapter loads/removals. A refusal that claims "nothing was written" must leave it empty.
     """
     engine = adapt(engine)
-    llm = engine.llm
+    llm = _llm(engine, "count_writes")
     writes: list[str] = []
     rpc, add, remove = llm.collective_rpc, llm.llm_engine.add_lora, llm.llm_engine.remove_lora
 

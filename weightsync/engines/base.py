@@ -13,8 +13,8 @@ are gone until something restores them all (vllm#29341). Both are checked by
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -250,7 +250,9 @@ def adapt(engine: Any) -> Engine:
         return engine
     for cls in _REGISTRY.values():
         if cls.accepts(engine):
-            return cls(engine)
+            # A registered adapter is constructed from the raw engine it accepts (the abstract
+            # Engine.__init__ takes none, so type[Engine] does not say so).
+            return cast("Callable[[Any], Engine]", cls)(engine)
     raise TypeError(
         f"no engine adapter accepts {type(engine).__module__}.{type(engine).__name__}; "
         f"registered: {sorted(_REGISTRY)}. Wrap it in an Engine subclass and @register it."

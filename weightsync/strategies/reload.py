@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from .. import peft_support
 from ..engines.base import Engine
 from ..errors import UnsupportedModelError
-from ..plan import Plan, Tensor
+from ..plan import Adapter, Plan, Tensor
 from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors
 from ..stream import _is_peft as is_peft
 from .adapter import adapter_part
@@ -61,7 +62,7 @@ class ReloadWeights(Strategy):
 
     def _plan(self, model: nn.Module, engine: Engine) -> Plan:
         separate = is_peft(model) and engine.serves_lora
-        common = dict(
+        common: dict[str, Any] = dict(
             strategy=self.label,
             reason=self.reason,
             engine=engine.describe(),
@@ -69,6 +70,7 @@ class ReloadWeights(Strategy):
             restores_base=True,
             bucket_bytes=self.bucket_bytes,
         )
+        served: Adapter | None
         if self.snapshot_dir is None:
             if not separate:
                 raise UnsupportedModelError(
@@ -135,6 +137,7 @@ def _sampled_differences(tensors: list[Tensor], engine: Engine) -> list[str]:
     for t in sample:
         if t.name not in heads:
             continue
+        assert t.held is not None  # filtered above
         ours = t.produce(t.held)
         ours = ours[0] if ours.dim() > 1 else ours[: heads[t.name].numel()]
         theirs = heads[t.name]

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...errors import AdapterError
-from ...plan import Adapter, Bucket
+from ...plan import Adapter
 from ..base import Engine, register
 from ..scratch import scratch_dir
 from . import checkpoint as ckpt
@@ -237,7 +237,8 @@ class VLLMEngine(Engine):
 
     # --- writing ------------------------------------------------------------------------------
 
-    def load_weights(self, buckets: Iterable[Bucket]) -> int:
+    # Any iterable of pairs is a bucket here (reload_checkpoint streams one from disk lazily).
+    def load_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
         self._forget_adapter()
         pairs = (pair for bucket in buckets for pair in bucket)
         self._reload({"weights_iterator": pairs, "is_checkpoint_format": True})
