@@ -29,19 +29,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     from .suite import ROW_KEYS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="0.5b",
-                   help="shape (tiny, tiny4, 0.5b, 1.5b) or a folder with config.json + *.safetensors")
+    p.add_argument(
+        "--model",
+        default="0.5b",
+        help="shape (tiny, tiny4, 0.5b, 1.5b) or a folder with config.json + *.safetensors",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per row, after one warm-up")
     p.add_argument("--out", type=Path, default=None, help="output folder")
     p.add_argument("--rows", default="all", help=f"comma-separated subset of: {','.join(ROW_KEYS)}")
     p.add_argument("--drift-cycles", type=int, default=1000, help="0 skips the drift figure")
     p.add_argument("--drift-model", default="tiny", help="model the drift loop runs on")
-    p.add_argument("--memory-model", default=None,
-                   help="second size for the peak-memory check (default: 1.5b for 0.5b, tiny4 for "
-                        "tiny, none otherwise); 'none' skips it")
-    p.add_argument("--no-profile", action="store_true", help="skip the where-do-the-seconds-go profile")
+    p.add_argument(
+        "--memory-model",
+        default=None,
+        help="second size for the peak-memory check (default: 1.5b for 0.5b, tiny4 for "
+        "tiny, none otherwise); 'none' skips it",
+    )
+    p.add_argument(
+        "--no-profile", action="store_true", help="skip the where-do-the-seconds-go profile"
+    )
     args = p.parse_args(argv)
-    args.rows = ROW_KEYS if args.rows == "all" else [r.strip() for r in args.rows.split(",") if r.strip()]
+    args.rows = (
+        ROW_KEYS if args.rows == "all" else [r.strip() for r in args.rows.split(",") if r.strip()]
+    )
     unknown = [r for r in args.rows if r not in ROW_KEYS]
     if unknown:
         p.error(f"unknown rows {unknown}; choose from {ROW_KEYS}")
@@ -50,7 +60,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, *, command: str | None = None, quiet: bool = False) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, *, command: str | None = None, quiet: bool = False
+) -> dict[str, Any]:
     """Run the benchmark described by ``args``; returns the result and writes it to ``args.out``."""
     import torch
     import vllm
@@ -66,21 +78,33 @@ def run(args: argparse.Namespace, *, command: str | None = None, quiet: bool = F
     rows = [r for r in suite.ROWS if r.key in args.rows]
     drift_cycles = args.drift_cycles
     mem_model = None if args.memory_model == "none" else args.memory_model
-    total = len(rows) * (args.repeats + 1) + 2 * drift_cycles + (args.repeats + 1 if mem_model else 0)
+    total = (
+        len(rows) * (args.repeats + 1) + 2 * drift_cycles + (args.repeats + 1 if mem_model else 0)
+    )
     bar = tqdm(total=total, unit="run", disable=quiet, dynamic_ncols=True)
 
-    result: dict[str, Any] = {"meta": {
-        "command": command or "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "date": dt.date.today().isoformat(),
-        "model": spec.name, "checkpoint": spec.checkpoint, "params": spec.params,
-        "dtype": spec.dtype_name, "model_bytes": spec.params * torch.empty((), dtype=spec.dtype).element_size(),
-        "built_here": spec.built_here, "repeats": args.repeats, "warmup": 1,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                   f"{__import__('psutil').virtual_memory().total / 2**30:.0f} GiB RAM, no GPU" ,
-        "torch": torch.__version__, "vllm": vllm.__version__,
-        "bucket_bytes": suite.DEFAULT_BUCKET_BYTES,
-        "weightsync": _weightsync_version(),
-    }, "rows": []}
+    result: dict[str, Any] = {
+        "meta": {
+            "command": command
+            or "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "date": dt.date.today().isoformat(),
+            "model": spec.name,
+            "checkpoint": spec.checkpoint,
+            "params": spec.params,
+            "dtype": spec.dtype_name,
+            "model_bytes": spec.params * torch.empty((), dtype=spec.dtype).element_size(),
+            "built_here": spec.built_here,
+            "repeats": args.repeats,
+            "warmup": 1,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+            f"{__import__('psutil').virtual_memory().total / 2**30:.0f} GiB RAM, no GPU",
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "bucket_bytes": suite.DEFAULT_BUCKET_BYTES,
+            "weightsync": _weightsync_version(),
+        },
+        "rows": [],
+    }
 
     bench = suite.Bench(spec, workdir=out, log=log)
     for row in rows:
@@ -95,21 +119,39 @@ def run(args: argparse.Namespace, *, command: str | None = None, quiet: bool = F
     if drift_cycles:
         # The drift loop reuses the plain engine when it runs on the same bf16 model.
         bar.set_description(f"drift x{drift_cycles}")
-        same = args.drift_model == spec.name and spec.dtype == torch.bfloat16 and "plain" in bench._engines
-        result["drift"] = suite.drift(drift_cycles, shape=args.drift_model, log=log, tick=bar.update,
-                                      engine=bench.engine("plain") if same else None)
+        same = (
+            args.drift_model == spec.name
+            and spec.dtype == torch.bfloat16
+            and "plain" in bench._engines
+        )
+        result["drift"] = suite.drift(
+            drift_cycles,
+            shape=args.drift_model,
+            log=log,
+            tick=bar.update,
+            engine=bench.engine("plain") if same else None,
+        )
 
     merged = next((r for r in result["rows"] if r["key"] == "full_lora_merge"), None)
     memory = []
     if merged:
         bound = suite.memory_bound(bench.peft, bench.engine("plain"))
-        memory.append({"model": spec.name, "params": spec.params, **bound,
-                       "seconds": merged["seconds"], "peak_extra_bytes": merged["peak_extra_bytes"]})
+        memory.append(
+            {
+                "model": spec.name,
+                "params": spec.params,
+                **bound,
+                "seconds": merged["seconds"],
+                "peak_extra_bytes": merged["peak_extra_bytes"],
+            }
+        )
     bench.close()
     del bench
     if mem_model:
         bar.set_description(f"memory check on {mem_model}")
-        memory.append(suite.memory_check(mem_model, args.repeats, workdir=out, log=log, tick=bar.update))
+        memory.append(
+            suite.memory_check(mem_model, args.repeats, workdir=out, log=log, tick=bar.update)
+        )
     result["memory"] = memory
 
     bar.close()
@@ -135,10 +177,18 @@ def _weightsync_version() -> str:
 
     root = Path(weightsync.__file__).resolve().parents[1]
     try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "weightsync"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "weightsync"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         return f"{weightsync.__version__} ({root}, git {rev}{'+dirty' if dirty else ''})"
     except (OSError, subprocess.CalledProcessError):
         return f"{weightsync.__version__} ({root})"

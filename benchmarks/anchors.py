@@ -35,7 +35,7 @@ from weightsync.stream import base_tensors
 
 _QUIET = [
     "vllm.model_executor.model_loader.reload.layerwise",  # "Failed to load weights" per module
-    "vllm.model_executor.model_loader.reload.inplace",    # "weights were not loaded" per call
+    "vllm.model_executor.model_loader.reload.inplace",  # "weights were not loaded" per call
 ]
 
 
@@ -75,7 +75,10 @@ def module_groups(names_tensors: list[tuple[str, torch.Tensor]], packed: dict[st
 
 def trainer_pairs(model: nn.Module, engine) -> list[tuple[str, torch.Tensor]]:
     """The trainer's base weights under checkpoint names, in layer order, in the engine dtype."""
-    return [(t.name, t.produce(engine.dtype)) for t in base_tensors(model, merge_lora=False, expected=engine.expected_weights)]
+    return [
+        (t.name, t.produce(engine.dtype))
+        for t in base_tensors(model, merge_lora=False, expected=engine.expected_weights)
+    ]
 
 
 @torch.no_grad()
@@ -148,9 +151,9 @@ class MemcpyFloor:
 
     @torch.no_grad()
     def __call__(self) -> tuple[int, int]:
-        for d, s in zip(self.dst, self.src):
+        for d, s in zip(self.dst, self.src, strict=True):
             d.copy_(s)
         return sum(t.numel() * t.element_size() for t in self.src), 0
 
     def exact(self) -> bool:
-        return all(torch.equal(d, s) for d, s in zip(self.dst, self.src))
+        return all(torch.equal(d, s) for d, s in zip(self.dst, self.src, strict=True))

@@ -78,7 +78,9 @@ class Runs:
         }
 
 
-def measure(fn: Callable[[], Any], repeats: int, *, warmup: int = 1, tick: Callable[[], None] = lambda: None) -> Runs:
+def measure(
+    fn: Callable[[], Any], repeats: int, *, warmup: int = 1, tick: Callable[[], None] = lambda: None
+) -> Runs:
     """Call ``fn`` ``warmup`` times untimed-for-summary, then ``repeats`` times timed."""
     runs = Runs()
     for i in range(warmup + repeats):

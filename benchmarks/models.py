@@ -21,14 +21,38 @@ CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weight
 # that a random model's next-token distribution is peaked: with 0.02 every logprob sits near
 # -log(vocab) and a wrong weight set would pass a logprob comparison.
 SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
-    "tiny4": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "tiny4": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
 }
 INIT_RANGE = {"tiny": 0.1, "tiny4": 0.1}
 DEFAULT_INIT_RANGE = 0.05
@@ -38,11 +62,11 @@ DEFAULT_INIT_RANGE = 0.05
 class ModelSpec:
     """A checkpoint folder the engine starts from, and how to describe it."""
 
-    name: str          # shape name, or the folder's name for a user's model
-    checkpoint: str    # folder with config.json + *.safetensors
+    name: str  # shape name, or the folder's name for a user's model
+    checkpoint: str  # folder with config.json + *.safetensors
     dtype: torch.dtype
     params: int
-    built_here: bool   # random-initialised by the benchmark (vs a user's model)
+    built_here: bool  # random-initialised by the benchmark (vs a user's model)
 
     @property
     def dtype_name(self) -> str:
@@ -55,7 +79,7 @@ def _count_params(folder: Path) -> int:
     total = 0
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():
+            for key in h.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
                 n = 1
                 for s in h.get_slice(key).get_shape():
                     n *= s
@@ -113,7 +137,9 @@ def load_trainer(spec: ModelSpec) -> nn.Module:
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def with_adapters(model: nn.Module, ranks: list[int], *, seed: int = 1, scale: float = 0.05) -> nn.Module:
+def with_adapters(
+    model: nn.Module, ranks: list[int], *, seed: int = 1, scale: float = 0.05
+) -> nn.Module:
     """Wrap ``model`` in a PeftModel with one LoRA adapter per rank (named ``r<rank>``).
 
     The adapters are perturbed away from PEFT's zero-initialised B, so merged and unmerged
@@ -123,7 +149,8 @@ def with_adapters(model: nn.Module, ranks: list[int], *, seed: int = 1, scale: f
 
     first, *rest = ranks
     peft = get_peft_model(
-        model, LoraConfig(r=first, lora_alpha=2 * first, target_modules=LORA_TARGETS),
+        model,
+        LoraConfig(r=first, lora_alpha=2 * first, target_modules=LORA_TARGETS),
         adapter_name=f"r{first}",
     )
     for r in rest:

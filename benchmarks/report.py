@@ -39,8 +39,10 @@ def _bytes(b: int) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| row | s median | s min | s max | bytes sent | GB/s | engine calls | peak extra MiB "
-            "| x vLLM reload | x memcpy | correct |")
+    head = (
+        "| row | s median | s min | s max | bytes sent | GB/s | engine calls | peak extra MiB "
+        "| x vLLM reload | x memcpy | correct |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         s = r["seconds"]
@@ -52,8 +54,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         if c.get("diagnosis", {}).get("stale_tied_lm_head"):
             ok += " stale tied lm_head, see Known issues;"
         if "mean_logprob_diff" in c:
-            ok += (f" (dlp mean {c['mean_logprob_diff']:.3f}, max {c['max_logprob_diff']:.2f}; "
-                   f"wrong model {c['control_mean_logprob_diff']:.1f})")
+            ok += (
+                f" (dlp mean {c['mean_logprob_diff']:.3f}, max {c['max_logprob_diff']:.2f}; "
+                f"wrong model {c['control_mean_logprob_diff']:.1f})"
+            )
         lines.append(
             f"| {r['label']} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {_bytes(r['bytes'])} "
             f"| {r['gbps']:.2f} | {r['engine_calls']} | {_mb(r['peak_extra_bytes']['max'])} "
@@ -68,35 +72,46 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     med = {k: r["seconds"]["median"] for k, r in by.items()}
     out = []
     if "full_dense" in med and NATIVE_ROW in med:
-        out.append({
-            "target": "FullSync dense <= vLLM's own reload from page-cached checkpoint",
-            "measured": f"{med['full_dense']:.3f} s vs {med[NATIVE_ROW]:.3f} s",
-            "margin": med[NATIVE_ROW] / med["full_dense"], "met": med["full_dense"] <= med[NATIVE_ROW],
-        })
+        out.append(
+            {
+                "target": "FullSync dense <= vLLM's own reload from page-cached checkpoint",
+                "measured": f"{med['full_dense']:.3f} s vs {med[NATIVE_ROW]:.3f} s",
+                "margin": med[NATIVE_ROW] / med["full_dense"],
+                "met": med["full_dense"] <= med[NATIVE_ROW],
+            }
+        )
     for full in ("full_lora_separate", "full_dense"):
         if "adapter_r16" in med and full in med:
             speedup = med[full] / med["adapter_r16"]
-            out.append({
-                "target": f"AdapterSync r16 >= 20x faster than {by[full]['label']}",
-                "measured": f"{speedup:.1f}x ({med['adapter_r16']:.4f} s vs {med[full]:.3f} s)",
-                "margin": speedup / 20, "met": speedup >= 20,
-            })
+            out.append(
+                {
+                    "target": f"AdapterSync r16 >= 20x faster than {by[full]['label']}",
+                    "measured": f"{speedup:.1f}x ({med['adapter_r16']:.4f} s vs {med[full]:.3f} s)",
+                    "margin": speedup / 20,
+                    "met": speedup >= 20,
+                }
+            )
     for m in result.get("memory", []):
-        out.append({
-            "target": f"FullSync merged peak extra <= bucket + largest tensor + 10% ({m['model']})",
-            "measured": f"{_mb(m['peak_extra_bytes']['max'])} MiB vs bound {_mb(m['bound_bytes'])} MiB "
-                        f"(model {_mb(m['model_bytes'])} MiB)",
-            "margin": m["bound_bytes"] / max(m["peak_extra_bytes"]["max"], 1),
-            "met": m["peak_extra_bytes"]["max"] <= m["bound_bytes"],
-        })
+        out.append(
+            {
+                "target": f"FullSync merged peak extra <= bucket + largest tensor + 10% ({m['model']})",
+                "measured": f"{_mb(m['peak_extra_bytes']['max'])} MiB vs bound {_mb(m['bound_bytes'])} MiB "
+                f"(model {_mb(m['model_bytes'])} MiB)",
+                "margin": m["bound_bytes"] / max(m["peak_extra_bytes"]["max"], 1),
+                "met": m["peak_extra_bytes"]["max"] <= m["bound_bytes"],
+            }
+        )
     d = result.get("drift")
     if d:
-        out.append({
-            "target": f"zero trainer drift after {d['cycles']} merged-LoRA syncs (bf16, {d['model']})",
-            "measured": f"weightsync {d['weightsync']['max_abs_diff']:.3g}; "
-                        f"in-place merge/unmerge anchor {d['anchor_inplace_merge']['max_abs_diff']:.3g}",
-            "margin": None, "met": d["weightsync"]["max_abs_diff"] == 0.0,
-        })
+        out.append(
+            {
+                "target": f"zero trainer drift after {d['cycles']} merged-LoRA syncs (bf16, {d['model']})",
+                "measured": f"weightsync {d['weightsync']['max_abs_diff']:.3g}; "
+                f"in-place merge/unmerge anchor {d['anchor_inplace_merge']['max_abs_diff']:.3g}",
+                "margin": None,
+                "met": d["weightsync"]["max_abs_diff"] == 0.0,
+            }
+        )
     return out
 
 
@@ -104,25 +119,34 @@ def targets_table(ts: list[dict[str, Any]]) -> str:
     lines = ["| target | measured | margin | met |", "|---|---|---|---|"]
     for t in ts:
         margin = "" if t["margin"] is None else f"{t['margin']:.2f}x"
-        lines.append(f"| {t['target']} | {t['measured']} | {margin} | {'yes' if t['met'] else '**no**'} |")
+        lines.append(
+            f"| {t['target']} | {t['measured']} | {margin} | {'yes' if t['met'] else '**no**'} |"
+        )
     return "\n".join(lines)
 
 
 def profile_table(p: dict[str, Any]) -> str:
     lines = [
-        "| part (median of 3, no profiler) | seconds |", "|---|---|",
+        "| part (median of 3, no profiler) | seconds |",
+        "|---|---|",
         f"| trainer side only: plan + check + materialise buckets | {p['trainer_stream_only']:.4f} |",
         f"| vLLM only: reload_weights of an in-memory list | {p['vllm_reload_weights_in_memory_list']:.4f} |",
         f"| FullSync dense, whole | {p['full_dense']:.4f} |",
         f"| vLLM reload_weights from page-cached checkpoint | {p['vllm_reload_from_checkpoint']:.4f} |",
-        "", "| cProfile cumulative seconds | FullSync dense | vLLM reload from checkpoint |", "|---|---|---|",
+        "",
+        "| cProfile cumulative seconds | FullSync dense | vLLM reload from checkpoint |",
+        "|---|---|---|",
     ]
     f, r = p["functions"]["full_dense"], p["functions"]["vllm_reload_from_checkpoint"]
     labels = list(dict.fromkeys([*f["cumulative_seconds"], *r["cumulative_seconds"]]))
-    lines.append(f"| total profiled | {f['total_profiled_seconds']:.3f} | {r['total_profiled_seconds']:.3f} |")
+    lines.append(
+        f"| total profiled | {f['total_profiled_seconds']:.3f} | {r['total_profiled_seconds']:.3f} |"
+    )
     for lab in labels:
         a, b = f["cumulative_seconds"].get(lab), r["cumulative_seconds"].get(lab)
-        lines.append(f"| {lab} | {'' if a is None else f'{a:.3f}'} | {'' if b is None else f'{b:.3f}'} |")
+        lines.append(
+            f"| {lab} | {'' if a is None else f'{a:.3f}'} | {'' if b is None else f'{b:.3f}'} |"
+        )
     return "\n".join(lines)
 
 
@@ -143,18 +167,32 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if result.get("drift"):
         d = result["drift"]
-        parts += ["", f"## Drift ({d['model']}, bf16, LoRA r16, max |W - W_start| over the base weights)", "",
-                  "| cycles | " + " | ".join(map(str, d["marks"])) + " |",
-                  "|---|" + "---|" * len(d["marks"]),
-                  "| weightsync FullSync(lora=merge) | " + " | ".join(f"{v:.3g}" for v in d["weightsync"]["curve"]) + " |",
-                  "| in-place merge/unmerge | " + " | ".join(f"{v:.3g}" for v in d["anchor_inplace_merge"]["curve"]) + " |"]
+        parts += [
+            "",
+            f"## Drift ({d['model']}, bf16, LoRA r16, max |W - W_start| over the base weights)",
+            "",
+            "| cycles | " + " | ".join(map(str, d["marks"])) + " |",
+            "|---|" + "---|" * len(d["marks"]),
+            "| weightsync FullSync(lora=merge) | "
+            + " | ".join(f"{v:.3g}" for v in d["weightsync"]["curve"])
+            + " |",
+            "| in-place merge/unmerge | "
+            + " | ".join(f"{v:.3g}" for v in d["anchor_inplace_merge"]["curve"])
+            + " |",
+        ]
     if result.get("memory"):
-        parts += ["", "## Peak extra memory of FullSync(lora=merge) by model size", "",
-                  "| model | params | model MiB | peak extra MiB (max) | median | bound MiB (bucket + largest + 10%) |",
-                  "|---|---|---|---|---|---|"]
+        parts += [
+            "",
+            "## Peak extra memory of FullSync(lora=merge) by model size",
+            "",
+            "| model | params | model MiB | peak extra MiB (max) | median | bound MiB (bucket + largest + 10%) |",
+            "|---|---|---|---|---|---|",
+        ]
         for x in result["memory"]:
-            parts.append(f"| {x['model']} | {_params(x['params'])} | {_mb(x['model_bytes'])} | "
-                         f"{_mb(x['peak_extra_bytes']['max'])} | {_mb(x['peak_extra_bytes']['median'])} | {_mb(x['bound_bytes'])} |")
+            parts.append(
+                f"| {x['model']} | {_params(x['params'])} | {_mb(x['model_bytes'])} | "
+                f"{_mb(x['peak_extra_bytes']['max'])} | {_mb(x['peak_extra_bytes']['median'])} | {_mb(x['bound_bytes'])} |"
+            )
     if result.get("profile"):
         parts += ["", "## Where the seconds go", "", profile_table(result["profile"])]
     return "\n".join(parts) + "\n"
@@ -169,7 +207,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = [r for r in result["rows"] if not r.get("error")]
     labels = [r["label"] for r in rows]
-    colors = {"weightsync": "tab:blue", "anchor": "tab:orange", "vllm-native": "tab:green", "floor": "tab:gray"}
+    colors = {
+        "weightsync": "tab:blue",
+        "anchor": "tab:orange",
+        "vllm-native": "tab:green",
+        "floor": "tab:gray",
+    }
     c = [colors[r["kind"]] for r in rows]
     med = [r["seconds"]["median"] for r in rows]
     lo = [r["seconds"]["median"] - r["seconds"]["min"] for r in rows]
@@ -195,8 +238,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if n == 3:
         d = result["drift"]
         ax = axes[2]
-        for who, lab, col in (("anchor_inplace_merge", "in-place merge/unmerge", "tab:orange"),
-                              ("weightsync", "weightsync FullSync(lora=merge)", "tab:blue")):
+        for who, lab, col in (
+            ("anchor_inplace_merge", "in-place merge/unmerge", "tab:orange"),
+            ("weightsync", "weightsync FullSync(lora=merge)", "tab:blue"),
+        ):
             ax.plot(d["marks"], d[who]["curve"], marker="o", label=lab, color=col)
         ax.set_xscale("log")
         ax.set_yscale("symlog", linthresh=1e-6)
@@ -206,7 +251,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"trainer weight drift ({d['model']}, bf16)")
         ax.legend()
     m = result["meta"]
-    fig.suptitle(f"weightsync benchmark -- {m['model']} ({_params(m['params'])} params, {m['dtype']}), {m['date']}")
+    fig.suptitle(
+        f"weightsync benchmark -- {m['model']} ({_params(m['params'])} params, {m['dtype']}), {m['date']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -214,7 +261,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def write(result: dict[str, Any], out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "results.md", "plot": out / "results.png"}
+    paths = {
+        "json": out / "results.json",
+        "markdown": out / "results.md",
+        "plot": out / "results.png",
+    }
     paths["json"].write_text(json.dumps(result, indent=2, default=str))
     paths["markdown"].write_text(markdown(result))
     plot(result, paths["plot"])

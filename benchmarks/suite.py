@@ -49,33 +49,96 @@ RANKS = [8, 16, 64]
 class Row:
     key: str
     label: str
-    kind: str          # "weightsync" | "anchor" | "vllm-native" | "floor"
+    kind: str  # "weightsync" | "anchor" | "vllm-native" | "floor"
     engine: str | None  # "plain" | "lora" | None
-    model: str         # trainer model the engine must match afterwards: "dense" | "peft" | "checkpoint"
+    model: str  # trainer model the engine must match afterwards: "dense" | "peft" | "checkpoint"
     note: str
 
 
 ROWS: list[Row] = [
-    Row("full_dense", "FullSync dense", "weightsync", "plain", "dense",
-        "every weight from trainer memory, one reload_weights call, 512 MiB buckets"),
-    Row("full_lora_merge", "FullSync LoRA merged", "weightsync", "plain", "peft",
-        "W + s*B@A computed out of place in fp32, cast once; trainer untouched"),
-    Row("full_lora_separate", "FullSync base+adapter", "weightsync", "lora", "peft",
-        "base unmerged + adapter loaded in place; engine serves LoRA"),
-    *[Row(f"adapter_r{r}", f"AdapterSync r{r}", "weightsync", "lora", "peft",
-          f"rank-{r} adapter only, written to tmpfs and loaded in place") for r in RANKS],
-    Row("reload_checkpoint", "ReloadWeights(checkpoint)", "weightsync", "lora", "peft",
-        "engine re-reads its original checkpoint (page cache) + adapter"),
-    Row("reload_snapshot", "ReloadWeights(snapshot)", "weightsync", "plain", "dense",
-        "trainer writes a safetensors snapshot to disk, engine reloads it"),
-    Row("anchor_per_module_rpc", "anchor: per-tensor RPC (TRL/OpenRLHF)", "anchor", "plain", "dense",
-        "one reload_weights call per vLLM parameter group (q/k/v together, gate/up together)"),
-    Row("anchor_inplace_merge", "anchor: in-place merge+unmerge (ms-swift/TRL)", "anchor", "plain", "peft",
-        "peft merge_adapter, push base in one call, unmerge_adapter"),
-    Row("vllm_reload", "vLLM reload_weights from checkpoint", "vllm-native", "plain", "checkpoint",
-        "collective_rpc('reload_weights') of the page-cached original checkpoint"),
-    Row("memcpy", "memcpy floor", "floor", None, "dense",
-        "copy_ of the same bytes into preallocated tensors"),
+    Row(
+        "full_dense",
+        "FullSync dense",
+        "weightsync",
+        "plain",
+        "dense",
+        "every weight from trainer memory, one reload_weights call, 512 MiB buckets",
+    ),
+    Row(
+        "full_lora_merge",
+        "FullSync LoRA merged",
+        "weightsync",
+        "plain",
+        "peft",
+        "W + s*B@A computed out of place in fp32, cast once; trainer untouched",
+    ),
+    Row(
+        "full_lora_separate",
+        "FullSync base+adapter",
+        "weightsync",
+        "lora",
+        "peft",
+        "base unmerged + adapter loaded in place; engine serves LoRA",
+    ),
+    *[
+        Row(
+            f"adapter_r{r}",
+            f"AdapterSync r{r}",
+            "weightsync",
+            "lora",
+            "peft",
+            f"rank-{r} adapter only, written to tmpfs and loaded in place",
+        )
+        for r in RANKS
+    ],
+    Row(
+        "reload_checkpoint",
+        "ReloadWeights(checkpoint)",
+        "weightsync",
+        "lora",
+        "peft",
+        "engine re-reads its original checkpoint (page cache) + adapter",
+    ),
+    Row(
+        "reload_snapshot",
+        "ReloadWeights(snapshot)",
+        "weightsync",
+        "plain",
+        "dense",
+        "trainer writes a safetensors snapshot to disk, engine reloads it",
+    ),
+    Row(
+        "anchor_per_module_rpc",
+        "anchor: per-tensor RPC (TRL/OpenRLHF)",
+        "anchor",
+        "plain",
+        "dense",
+        "one reload_weights call per vLLM parameter group (q/k/v together, gate/up together)",
+    ),
+    Row(
+        "anchor_inplace_merge",
+        "anchor: in-place merge+unmerge (ms-swift/TRL)",
+        "anchor",
+        "plain",
+        "peft",
+        "peft merge_adapter, push base in one call, unmerge_adapter",
+    ),
+    Row(
+        "vllm_reload",
+        "vLLM reload_weights from checkpoint",
+        "vllm-native",
+        "plain",
+        "checkpoint",
+        "collective_rpc('reload_weights') of the page-cached original checkpoint",
+    ),
+    Row(
+        "memcpy",
+        "memcpy floor",
+        "floor",
+        None,
+        "dense",
+        "copy_ of the same bytes into preallocated tensors",
+    ),
 ]
 ROW_KEYS = [r.key for r in ROWS]
 NATIVE_ROW = "vllm_reload"
@@ -85,7 +148,9 @@ FLOOR_ROW = "memcpy"
 class Bench:
     """Holds the models and engines of one benchmark run."""
 
-    def __init__(self, spec: ModelSpec, *, workdir: Path, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, spec: ModelSpec, *, workdir: Path, log: Callable[[str], None] = print
+    ) -> None:
         from weightsync.testing import perturb
 
         self.spec = spec
@@ -112,8 +177,10 @@ class Bench:
             self.log(f"[bench] starting vLLM engine '{which}' on {self.spec.name}")
             t = time.perf_counter()
             llm = make_llm(
-                self.spec.checkpoint, dtype=self.spec.dtype_name,
-                enable_lora=which == "lora", max_lora_rank=max(RANKS),
+                self.spec.checkpoint,
+                dtype=self.spec.dtype_name,
+                enable_lora=which == "lora",
+                max_lora_rank=max(RANKS),
             )
             self._engines[which] = VLLMEngine(llm)
             self.log(f"[bench] engine '{which}' ready in {time.perf_counter() - t:.1f} s")
@@ -134,7 +201,11 @@ class Bench:
             return r.bytes, r.engine_calls, r.to_dict()
 
         if row.model == "peft" or row.key == "reload_checkpoint":
-            self.peft.set_adapter(f"r{row.key.removeprefix('adapter_r')}" if row.key.startswith("adapter_r") else "r16")
+            self.peft.set_adapter(
+                f"r{row.key.removeprefix('adapter_r')}"
+                if row.key.startswith("adapter_r")
+                else "r16"
+            )
         k = row.key
         # FullSync rows measure a full push: skipping layers the engine already holds (frozen
         # embeddings, the frozen base of a LoRA model) would make them measure nothing.
@@ -143,7 +214,9 @@ class Bench:
         if k == "full_lora_merge":
             return lambda: report(FullSync(lora="merge", skip_unchanged=False).sync(self.peft, eng))
         if k == "full_lora_separate":
-            return lambda: report(FullSync(lora="separate", skip_unchanged=False).sync(self.peft, eng))
+            return lambda: report(
+                FullSync(lora="separate", skip_unchanged=False).sync(self.peft, eng)
+            )
         if k.startswith("adapter_r"):
             return lambda: report(AdapterSync().sync(self.peft, eng))
         if k == "reload_checkpoint":
@@ -160,7 +233,10 @@ class Bench:
         if k == "vllm_reload":
             return lambda: (*anchors.vllm_reload(eng, self.spec.checkpoint), None)
         if k == "memcpy":
-            self._memcpy = anchors.MemcpyFloor(self.dense, self.engine("plain") if "plain" in self._engines else _DtypeOnly(self.spec))
+            self._memcpy = anchors.MemcpyFloor(
+                self.dense,
+                self.engine("plain") if "plain" in self._engines else _DtypeOnly(self.spec),
+            )
             return lambda: (*self._memcpy(), None)
         raise KeyError(k)
 
@@ -174,17 +250,30 @@ class Bench:
             self.log(f"[bench] {row.label} FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}")
             nan = float("nan")
             return {
-                "key": row.key, "label": row.label, "kind": row.kind, "engine": row.engine,
-                "note": row.note, "error": f"{type(exc).__name__}: {str(exc).strip()}",
+                "key": row.key,
+                "label": row.label,
+                "kind": row.kind,
+                "engine": row.engine,
+                "note": row.note,
+                "error": f"{type(exc).__name__}: {str(exc).strip()}",
                 "seconds": {"median": nan, "min": nan, "max": nan, "runs": [], "warmup": None},
                 "peak_extra_bytes": {"max": 0, "median": 0, "runs": [], "warmup": None},
-                "bytes": 0, "engine_calls": 0, "gbps": 0.0, "report": None,
+                "bytes": 0,
+                "engine_calls": 0,
+                "gbps": 0.0,
+                "report": None,
                 "correct": {"passed": False, "method": "row raised before it could be checked"},
             }
         sent, calls, rep = runs.result
         out = {
-            "key": row.key, "label": row.label, "kind": row.kind, "engine": row.engine,
-            "note": row.note, **runs.summary(), "bytes": sent, "engine_calls": calls,
+            "key": row.key,
+            "label": row.label,
+            "kind": row.kind,
+            "engine": row.engine,
+            "note": row.note,
+            **runs.summary(),
+            "bytes": sent,
+            "engine_calls": calls,
             "gbps": sent / runs.summary()["seconds"]["median"] / 1e9 if sent else 0.0,
             "report": rep,
         }
@@ -215,7 +304,7 @@ class Bench:
         out = {
             "passed": bool(mean <= tol.mean and largest <= tol.max and control_mean > tol.mean),
             "method": "prompt logprobs (top-8) at 2 x 63 canary positions vs the trainer's "
-                      "(weightsync.verify.check_engine's statistic)",
+            "(weightsync.verify.check_engine's statistic)",
             "mean_logprob_diff": mean,
             "max_logprob_diff": largest,
             "tolerance": {"mean": tol.mean, "max": tol.max},
@@ -273,12 +362,19 @@ class Bench:
         pairs = anchors.trainer_pairs(self.dense, eng)
 
         def vllm_only():
-            eng.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
+            eng.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True},
+            )
 
         full = lambda: FullSync(skip_unchanged=False).sync(self.dense, eng)  # noqa: E731
         reload = lambda: anchors.vllm_reload(eng, self.spec.checkpoint)  # noqa: E731
-        for name, fn in [("trainer_stream_only", stream_only), ("vllm_reload_weights_in_memory_list", vllm_only),
-                         ("full_dense", full), ("vllm_reload_from_checkpoint", reload)]:
+        for name, fn in [
+            ("trainer_stream_only", stream_only),
+            ("vllm_reload_weights_in_memory_list", vllm_only),
+            ("full_dense", full),
+            ("vllm_reload_from_checkpoint", reload),
+        ]:
             fn()
             times = []
             for _ in range(3):
@@ -351,7 +447,9 @@ def _top_functions(prof: cProfile.Profile) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def drift(cycles: int, *, shape: str = "tiny", engine=None, log=print, tick=lambda: None) -> dict[str, Any]:
+def drift(
+    cycles: int, *, shape: str = "tiny", engine=None, log=print, tick=lambda: None
+) -> dict[str, Any]:
     """Max |W - W_start| of the trainer's base weights after ``cycles`` LoRA-merged syncs in bf16.
 
     weightsync: a real FullSync(lora="merge") into a bf16 engine every cycle. Anchor: peft's
@@ -362,9 +460,16 @@ def drift(cycles: int, *, shape: str = "tiny", engine=None, log=print, tick=lamb
     from weightsync.testing import make_llm
 
     spec = resolve(shape, dtype=torch.bfloat16, log=log)
-    marks = sorted({c for c in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, cycles) if c <= cycles})
-    result: dict[str, Any] = {"model": spec.name, "dtype": "bfloat16", "cycles": cycles, "lora_rank": 16,
-                              "marks": marks}
+    marks = sorted(
+        {c for c in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, cycles) if c <= cycles}
+    )
+    result: dict[str, Any] = {
+        "model": spec.name,
+        "dtype": "bfloat16",
+        "cycles": cycles,
+        "lora_rank": 16,
+        "marks": marks,
+    }
     if engine is None:
         engine = VLLMEngine(make_llm(spec.checkpoint, dtype="bfloat16"))
     for who in ("weightsync", "anchor_inplace_merge"):
@@ -379,10 +484,18 @@ def drift(cycles: int, *, shape: str = "tiny", engine=None, log=print, tick=lamb
             else:
                 anchors.inplace_merge_cycle(peft)
             if i in marks:
-                curve.append(max(float((p.float() - s.float()).abs().max()) for p, s in zip(base, start)))
+                curve.append(
+                    max(
+                        float((p.float() - s.float()).abs().max())
+                        for p, s in zip(base, start, strict=True)
+                    )
+                )
             tick()
-        result[who] = {"max_abs_diff": curve[-1], "curve": curve,
-                       "seconds_per_cycle": (time.perf_counter() - t) / cycles}
+        result[who] = {
+            "max_abs_diff": curve[-1],
+            "curve": curve,
+            "seconds_per_cycle": (time.perf_counter() - t) / cycles,
+        }
         if who == "weightsync":
             result[who]["engine_check_logprob_diff"] = _engine_diff(peft, engine)
     return result
@@ -391,7 +504,9 @@ def drift(cycles: int, *, shape: str = "tiny", engine=None, log=print, tick=lamb
 def _engine_diff(model, engine) -> float:
     """verify.check_engine's mean |d logprob| of ``engine`` against ``model``."""
     prompts = canary_prompts(model.get_base_model().config.vocab_size)
-    return score_diffs(engine.score_batch(prompts, TOP_K), trainer_prompt_logprobs(model, prompts))[0]
+    return score_diffs(engine.score_batch(prompts, TOP_K), trainer_prompt_logprobs(model, prompts))[
+        0
+    ]
 
 
 # --- peak memory at a second size -----------------------------------------------------------------
@@ -401,12 +516,17 @@ def memory_bound(model, engine, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dic
     ts = base_tensors(model, merge_lora=True, expected=engine.expected_weights)
     itemsize = torch.empty((), dtype=engine.dtype).element_size()
     largest = max(itemsize * _numel(t.shape) for t in ts)
-    return {"bucket_bytes": bucket_bytes, "largest_tensor_bytes": largest,
-            "bound_bytes": int(1.1 * (bucket_bytes + largest)),
-            "model_bytes": sum(itemsize * _numel(t.shape) for t in ts)}
+    return {
+        "bucket_bytes": bucket_bytes,
+        "largest_tensor_bytes": largest,
+        "bound_bytes": int(1.1 * (bucket_bytes + largest)),
+        "model_bytes": sum(itemsize * _numel(t.shape) for t in ts),
+    }
 
 
-def memory_check(shape_or_path: str, repeats: int, *, workdir: Path, log=print, tick=lambda: None) -> dict[str, Any]:
+def memory_check(
+    shape_or_path: str, repeats: int, *, workdir: Path, log=print, tick=lambda: None
+) -> dict[str, Any]:
     """FullSync(lora="merge") peak extra memory on another model size, against the bound."""
     spec = resolve(shape_or_path, log=log)
     from weightsync.engines import VLLMEngine
@@ -414,8 +534,17 @@ def memory_check(shape_or_path: str, repeats: int, *, workdir: Path, log=print, 
 
     peft = with_adapters(load_trainer(spec), [16])
     engine = VLLMEngine(make_llm(spec.checkpoint, dtype=spec.dtype_name))
-    runs = measure(functools.partial(FullSync(lora="merge", skip_unchanged=False).sync, peft, engine), repeats, tick=tick)
-    out = {"model": spec.name, "params": spec.params, **memory_bound(peft, engine), **runs.summary()}
+    runs = measure(
+        functools.partial(FullSync(lora="merge", skip_unchanged=False).sync, peft, engine),
+        repeats,
+        tick=tick,
+    )
+    out = {
+        "model": spec.name,
+        "params": spec.params,
+        **memory_bound(peft, engine),
+        **runs.summary(),
+    }
     del engine, peft
     gc.collect()
     return out
@@ -428,4 +557,14 @@ def _numel(shape) -> int:
     return n
 
 
-__all__ = ["Bench", "ROWS", "ROW_KEYS", "NATIVE_ROW", "FLOOR_ROW", "drift", "memory_check", "memory_bound", "PeakRSS"]
+__all__ = [
+    "FLOOR_ROW",
+    "NATIVE_ROW",
+    "ROWS",
+    "ROW_KEYS",
+    "Bench",
+    "PeakRSS",
+    "drift",
+    "memory_bound",
+    "memory_check",
+]

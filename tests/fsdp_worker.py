@@ -55,17 +55,16 @@ def train(model: torch.nn.Module, reference: torch.nn.Module | None, seed: int) 
             ref[name].add_(noise)
 
 
-def build(rank: int, seed: int | None, *, lora_rank: int | None = None, dora: bool = False,
-          **overrides):
+def build(
+    rank: int, seed: int | None, *, lora_rank: int | None = None, dora: bool = False, **overrides
+):
     """(sharded model, unsharded reference on rank 0) after one training step (none when
     ``seed`` is None: a step is collective, and ranks holding different models cannot take it)."""
     model = testing.tiny_model("qwen2", seed=0, **overrides)
     if lora_rank is not None:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(
-            r=lora_rank, lora_alpha=16, target_modules=LORA_TARGETS, use_dora=dora
-        )
+        config = LoraConfig(r=lora_rank, lora_alpha=16, target_modules=LORA_TARGETS, use_dora=dora)
         model = get_peft_model(model, config)
     reference = copy.deepcopy(model) if rank == 0 else None
     shard(model)

@@ -16,16 +16,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("vllm")
 pytest.importorskip("matplotlib")
 
-from benchmarks.__main__ import parse, run  # noqa: E402
-from benchmarks.suite import ROW_KEYS  # noqa: E402
-from weightsync.verify import TOLERANCE  # noqa: E402
+from benchmarks.__main__ import parse, run
+from benchmarks.suite import ROW_KEYS
+from weightsync.verify import TOLERANCE
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    args = parse(["--model", "tiny", "--repeats", "2", "--drift-cycles", "5",
-                  "--memory-model", "none", "--out", str(out)])
+    args = parse(
+        [
+            "--model",
+            "tiny",
+            "--repeats",
+            "2",
+            "--drift-cycles",
+            "5",
+            "--memory-model",
+            "none",
+            "--out",
+            str(out),
+        ]
+    )
     return run(args, command="pytest tests/test_benchmarks.py", quiet=True)
 
 
@@ -34,12 +46,33 @@ def test_every_row_present_in_order(result):
 
 
 def test_json_schema(result):
-    data = json.loads(open(result["paths"]["json"]).read())
+    data = json.loads(Path(result["paths"]["json"]).read_text())
     assert {"meta", "rows", "targets", "memory", "drift", "profile", "correct"} <= set(data)
-    assert {"command", "date", "model", "params", "dtype", "model_bytes", "repeats", "vllm", "torch"} <= set(data["meta"])
+    assert {
+        "command",
+        "date",
+        "model",
+        "params",
+        "dtype",
+        "model_bytes",
+        "repeats",
+        "vllm",
+        "torch",
+    } <= set(data["meta"])
     for row in data["rows"]:
-        assert {"key", "label", "kind", "seconds", "peak_extra_bytes", "bytes", "gbps", "engine_calls",
-                "ratio_to_vllm_native", "ratio_to_memcpy", "correct"} <= set(row)
+        assert {
+            "key",
+            "label",
+            "kind",
+            "seconds",
+            "peak_extra_bytes",
+            "bytes",
+            "gbps",
+            "engine_calls",
+            "ratio_to_vllm_native",
+            "ratio_to_memcpy",
+            "correct",
+        } <= set(row)
         s = row["seconds"]
         assert len(s["runs"]) == 2 and s["min"] <= s["median"] <= s["max"]
         assert s["warmup"] is not None

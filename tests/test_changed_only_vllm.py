@@ -86,8 +86,10 @@ def test_frozen_first_layer_is_skipped_whole(engines):
     model = frozen("llama", ("model.embed_tokens", "model.layers.0."))
     step_and_sync(model, engine, seed=3)
     report, got = step_and_sync(model, engine, seed=4)
-    assert {n for n in report.plan.skipped} == {
-        n for n in engine.expected_weights if n.startswith(("model.embed_tokens", "model.layers.0."))
+    assert set(report.plan.skipped) == {
+        n
+        for n in engine.expected_weights
+        if n.startswith(("model.embed_tokens", "model.layers.0."))
     }
     assert not any(n.startswith("model.layers.0.") for n in got.names)
 
@@ -125,7 +127,12 @@ def test_failed_sync_sends_everything_next(engines):
                     raise RuntimeError("injected")
                 yield pair
 
-        return rpc(method, *args, kwargs={**kwargs, "weights_iterator": cut(kwargs["weights_iterator"])}, **rest)
+        return rpc(
+            method,
+            *args,
+            kwargs={**kwargs, "weights_iterator": cut(kwargs["weights_iterator"])},
+            **rest,
+        )
 
     engine.llm.collective_rpc = broken
     try:
@@ -139,10 +146,16 @@ def test_failed_sync_sends_everything_next(engines):
 
 def test_merged_lora_resends_only_targeted_layers(engines):
     engine = engines["llama"]
-    model = get_peft_model(T.tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        T.tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    )
     step_and_sync(model, engine, seed=12)  # LoRA trains: embeddings, norm, head are frozen
-    report, got = step_and_sync(model, engine, seed=13)
-    assert set(report.plan.skipped) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    report, _ = step_and_sync(model, engine, seed=13)
+    assert set(report.plan.skipped) == {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    }
     assert "FullSync" in str(report.plan) and "skip 3 weights" in str(report.plan)
 
 
@@ -158,13 +171,20 @@ def test_fused_optimizer_steps_are_always_sent(engines):
     versions = [p._version for p in trainable]
     optimizer = torch.optim.AdamW(trainable, lr=0.05, fused=True)
     model.train()
-    model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]]), labels=torch.tensor([[1, 2, 3, 4, 5, 6]])).loss.backward()
+    model(
+        input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]]), labels=torch.tensor([[1, 2, 3, 4, 5, 6]])
+    ).loss.backward()
     optimizer.step()
     model.eval()
-    assert [p._version for p in trainable] == versions, "fused AdamW bumped the counters: test is moot"
+    assert [p._version for p in trainable] == versions, (
+        "fused AdamW bumped the counters: test is moot"
+    )
     stale = T.compare(model, engine)
     assert stale["engine"] != stale["trainer"]
     with Received(engine) as got:
         report = FullSync().sync(model, engine)
     T.assert_matches(model, engine, atol=ATOL)
-    assert report.plan.skipped == ("model.embed_tokens.weight",) and len(got.names) == len(engine.expected_weights) - 1
+    assert (
+        report.plan.skipped == ("model.embed_tokens.weight",)
+        and len(got.names) == len(engine.expected_weights) - 1
+    )

@@ -19,7 +19,9 @@ from weightsync.engines import VLLMEngine
 
 ARCHS = ["qwen2", "llama"]
 ATOL = 1e-3
-LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+LORA = dict(
+    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -93,7 +95,12 @@ def test_full_training(arch, engines, rollout_lora, level):
     engine = engines[rollout_lora]
     model = full_model(arch, seed=10 + level + 5 * rollout_lora)
     enter_sleep(engine, level)
-    s = policy.choose(train_type="full", rollout_lora=rollout_lora, base_sync_done=True, sleep_level=engine.sleep_level)
+    s = policy.choose(
+        train_type="full",
+        rollout_lora=rollout_lora,
+        base_sync_done=True,
+        sleep_level=engine.sleep_level,
+    )
     assert type(s) is FullSync
     sync_and_check(s, model, engine)
 
@@ -104,7 +111,12 @@ def test_lora_merged(arch, engines, base_sync_done, level):
     engine = engines[False]
     model = lora_model(arch, seed=20 + level + 5 * base_sync_done)
     enter_sleep(engine, level)
-    s = policy.choose(train_type="lora", rollout_lora=False, base_sync_done=base_sync_done, sleep_level=engine.sleep_level)
+    s = policy.choose(
+        train_type="lora",
+        rollout_lora=False,
+        base_sync_done=base_sync_done,
+        sleep_level=engine.sleep_level,
+    )
     assert type(s) is FullSync and s.lora == "merge"
     sync_and_check(s, model, engine)
     assert engine.lora_request is None
@@ -116,7 +128,9 @@ def test_lora_served_first_sync(arch, engines, level):
     FullSync().sync(full_model(arch, seed=5), engine)  # the engine holds some other base
     model = lora_model(arch, seed=30 + level)
     enter_sleep(engine, level)
-    s = policy.choose(train_type="lora", rollout_lora=True, base_sync_done=False, sleep_level=engine.sleep_level)
+    s = policy.choose(
+        train_type="lora", rollout_lora=True, base_sync_done=False, sleep_level=engine.sleep_level
+    )
     assert type(s) is FullSync and s.lora == "separate"
     report = sync_and_check(s, model, engine)
     assert report.engine_calls == 2  # base, then adapter: never merged *and* applied
@@ -128,7 +142,9 @@ def test_lora_served_after_level2(arch, engines):
     ensure_base(arch, engine)
     model = lora_model(arch, seed=40)
     enter_sleep(engine, 2)
-    s = policy.choose(train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=engine.sleep_level)
+    s = policy.choose(
+        train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=engine.sleep_level
+    )
     assert engine.sleep_level == 2 and type(s) is FullSync and s.lora == "separate"
     sync_and_check(s, model, engine)
 
@@ -142,7 +158,12 @@ def test_lora_served_adapter_only_follows_every_update(arch, engines, level):
     for step in range(4):
         T.perturb(model, seed=500 + step, scale=0.3)
         enter_sleep(engine, level)
-        s = policy.choose(train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=engine.sleep_level)
+        s = policy.choose(
+            train_type="lora",
+            rollout_lora=True,
+            base_sync_done=True,
+            sleep_level=engine.sleep_level,
+        )
         assert type(s) is AdapterSync
         report = sync_and_check(s, model, engine)
         assert report.engine_calls == 1 and report.buckets == 0
@@ -157,7 +178,13 @@ def test_prefer_reload_restores_base_from_checkpoint(arch, engines, base_sync_do
     FullSync().sync(full_model(arch, seed=6), engine)  # engine base differs from the checkpoint
     model = lora_model(arch, seed=60 + level)
     enter_sleep(engine, level)
-    s = policy.choose(train_type="lora", rollout_lora=True, base_sync_done=base_sync_done, sleep_level=engine.sleep_level, prefer_reload=True)
+    s = policy.choose(
+        train_type="lora",
+        rollout_lora=True,
+        base_sync_done=base_sync_done,
+        sleep_level=engine.sleep_level,
+        prefer_reload=True,
+    )
     assert type(s) is ReloadWeights
     sync_and_check(s, model, engine)
 
@@ -183,4 +210,10 @@ def test_syncer_tracks_base_sync_done(arch, engines):
         chosen.append(report.strategy)
         T.assert_matches(model, engine, atol=ATOL)
         assert syncer.base_sync_done
-    assert chosen == ["FullSync(lora=separate)", "AdapterSync", "AdapterSync", "FullSync(lora=separate)", "AdapterSync"]
+    assert chosen == [
+        "FullSync(lora=separate)",
+        "AdapterSync",
+        "AdapterSync",
+        "FullSync(lora=separate)",
+        "AdapterSync",
+    ]

@@ -4,6 +4,8 @@ Verification at that tolerance still catches a tied lm_head left one small step 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -20,7 +22,7 @@ BF16 = TOLERANCE[torch.bfloat16]
 class RecordingEngine(VLLMEngine):
     """Keeps the (name, tensor) pairs of the last weight stream, as vLLM received them."""
 
-    received: list[tuple[str, torch.Tensor]] = []
+    received: Sequence[tuple[str, torch.Tensor]] = ()
 
     def load_weights(self, buckets):
         self.received = []
@@ -35,7 +37,9 @@ class RecordingEngine(VLLMEngine):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    ck = T.save_checkpoint(T.tiny_model("qwen2", dtype=torch.bfloat16), tmp_path_factory.mktemp("bf16") / "ck")
+    ck = T.save_checkpoint(
+        T.tiny_model("qwen2", dtype=torch.bfloat16), tmp_path_factory.mktemp("bf16") / "ck"
+    )
     return RecordingEngine(T.make_llm(ck, dtype="bfloat16", enable_lora=True))
 
 
@@ -48,7 +52,9 @@ def differs(model, engine):
 @pytest.mark.parametrize("trainer_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_engine(engine, trainer_dtype):
     assert engine.dtype == torch.bfloat16
-    model = get_peft_model(T.tiny_model("qwen2", dtype=trainer_dtype), LoraConfig(r=8, target_modules="all-linear"))
+    model = get_peft_model(
+        T.tiny_model("qwen2", dtype=trainer_dtype), LoraConfig(r=8, target_modules="all-linear")
+    )
     T.perturb(model, seed=7, scale=0.3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -75,7 +81,9 @@ def test_bf16_engine(engine, trainer_dtype):
     adapter = AdapterSync().sync(model, engine, verify=True)
 
     for report in (merged, separate, adapter):
-        assert report.verified_logprob_diff is not None and report.verified_logprob_diff <= BF16.mean
+        assert (
+            report.verified_logprob_diff is not None and report.verified_logprob_diff <= BF16.mean
+        )
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
 
@@ -91,7 +99,9 @@ def test_bf16_stale_tied_head_after_one_small_step_is_caught(engine, trainer_dty
     T.perturb(model, seed=4, scale=0.02)
     pairs = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
     assert "lm_head.weight" not in dict(pairs)  # tied: listed once
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+    engine.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+    )
     engine.llm.reset_prefix_cache()
     with pytest.raises(VerificationError, match="on average"):
         check_engine(model, engine, strategy="named_parameters push")

@@ -30,7 +30,9 @@ def plain_engine(checkpoint):
 
 
 def lora_model(seed, **cfg):
-    model = get_peft_model(T.tiny_model(ARCH), LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **cfg}))
+    model = get_peft_model(
+        T.tiny_model(ARCH), LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **cfg})
+    )
     T.perturb(model, seed=seed, scale=0.3)
     return model
 
@@ -51,14 +53,19 @@ def still_serving(model, engine):
 def test_weight_the_engine_does_not_have(served, lora_engine):
     model = T.tiny_model(ARCH)
     model.model.layers[0].mlp.register_parameter("extra_scale", torch.nn.Parameter(torch.ones(4)))
-    with pytest.raises(WeightMismatchError, match=r"does not have: model\.layers\.0\.mlp\.extra_scale"):
+    with pytest.raises(
+        WeightMismatchError, match=r"does not have: model\.layers\.0\.mlp\.extra_scale"
+    ):
         FullSync().sync(model, lora_engine)
     still_serving(served, lora_engine)
 
 
 def test_missing_weights_are_listed(served, lora_engine):
     model = T.tiny_model(ARCH, num_hidden_layers=1)
-    with pytest.raises(WeightMismatchError, match=r"engine loads but the trainer did not send: .*model\.layers\.1\.") as err:
+    with pytest.raises(
+        WeightMismatchError,
+        match=r"engine loads but the trainer did not send: .*model\.layers\.1\.",
+    ) as err:
         FullSync().sync(model, lora_engine)
     assert "nothing was written" in str(err.value)
     still_serving(served, lora_engine)
@@ -66,7 +73,10 @@ def test_missing_weights_are_listed(served, lora_engine):
 
 def test_shape_mismatch_names_both_shapes(served, lora_engine):
     model = T.tiny_model(ARCH, intermediate_size=384)
-    with pytest.raises(WeightMismatchError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: trainer \(384, 128\), engine \(256, 128\)"):
+    with pytest.raises(
+        WeightMismatchError,
+        match=r"model\.layers\.0\.mlp\.gate_proj\.weight: trainer \(384, 128\), engine \(256, 128\)",
+    ):
         FullSync().sync(model, lora_engine)
     still_serving(served, lora_engine)
 
@@ -87,7 +97,7 @@ def test_rank_pattern_counts(served, lora_engine):
 
 
 def test_adapter_sync_of_a_model_without_adapter(served, lora_engine):
-    with pytest.raises(UnsupportedModelError, match="needs a peft.PeftModel"):
+    with pytest.raises(UnsupportedModelError, match=r"needs a peft\.PeftModel"):
         AdapterSync().sync(T.tiny_model(ARCH), lora_engine)
     still_serving(served, lora_engine)
 

@@ -50,7 +50,10 @@ def _awake(request):
 
 
 def peft_model(seed: int = 0, **cfg) -> object:
-    model = get_peft_model(T.tiny_model("llama"), LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": TARGETS, **cfg}))
+    model = get_peft_model(
+        T.tiny_model("llama"),
+        LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": TARGETS, **cfg}),
+    )
     T.perturb(model, seed=seed, scale=0.3)
     return model
 
@@ -110,7 +113,9 @@ def test_sleep_before_the_adapter_existed_counts_as_level_2(checkpoint):
 
 def test_scale_options_served_exactly(lora_engine, plain_engine):
     """rsLoRA, rank_pattern and alpha_pattern: vLLM computes the scale from the config we write."""
-    model = peft_model(seed=19, use_rslora=True, rank_pattern={"v_proj": 4}, alpha_pattern={"o_proj": 32})
+    model = peft_model(
+        seed=19, use_rslora=True, rank_pattern={"v_proj": 4}, alpha_pattern={"o_proj": 32}
+    )
     sync_exactly(FullSync(lora="separate"), model, lora_engine)
     T.perturb(model, seed=20, scale=0.3)
     sync_exactly(AdapterSync(), model, lora_engine)
@@ -161,7 +166,9 @@ def test_reload_refused_when_the_base_differs_without_a_known_cause(lora_engine)
     model = get_peft_model(base, LoraConfig(r=8, target_modules=TARGETS))
     T.perturb(model, seed=10, scale=0.3)
     FullSync(lora="separate").sync(model, lora_engine)
-    refused(ReloadWeights(), model, lora_engine, UnsupportedModelError, "differs from the checkpoint")
+    refused(
+        ReloadWeights(), model, lora_engine, UnsupportedModelError, "differs from the checkpoint"
+    )
 
 
 # --- several active adapters ------------------------------------------------------------------
@@ -169,7 +176,9 @@ def test_reload_refused_when_the_base_differs_without_a_known_cause(lora_engine)
 
 def two_adapters(seed: int):
     model = peft_model(seed=seed)
-    model.add_adapter("second", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"]))
+    model.add_adapter(
+        "second", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"])
+    )
     model.base_model.set_adapter(["default", "second"])
     T.perturb(model, seed=seed + 1, scale=0.3)
     return model
@@ -221,19 +230,30 @@ def test_an_option_weightsync_does_not_know_is_refused(lora_engine, plain_engine
     class NewerLoraConfig(LoraConfig):
         shiny_new_knob: int = 0
 
-    model = get_peft_model(T.tiny_model("llama"), NewerLoraConfig(r=8, target_modules=TARGETS, shiny_new_knob=3))
+    model = get_peft_model(
+        T.tiny_model("llama"), NewerLoraConfig(r=8, target_modules=TARGETS, shiny_new_knob=3)
+    )
     T.perturb(model, seed=17, scale=0.3)
     refused(FullSync(lora="merge"), model, plain_engine, UnsupportedModelError, "shiny_new_knob=3")
     refused(FullSync(lora="separate"), model, lora_engine, UnsupportedModelError, "does not know")
 
 
 def test_other_peft_tuners_are_refused(plain_engine):
-    model = get_peft_model(T.tiny_model("llama"), IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    model = get_peft_model(
+        T.tiny_model("llama"),
+        IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    )
     refused(FullSync(lora="merge"), model, plain_engine, UnsupportedModelError, "only LoRA")
 
 
 def test_plan_reads_like_an_explanation(lora_engine):
     model = peft_model(seed=18, init_lora_weights="pissa")
     text = str(FullSync(lora="separate", reason="first sync").plan(model, lora_engine))
-    for part in ("FullSync(lora=separate)", "why: first sync", "stream:", "load adapter 'default'", "rewrote the base"):
+    for part in (
+        "FullSync(lora=separate)",
+        "why: first sync",
+        "stream:",
+        "load adapter 'default'",
+        "rewrote the base",
+    ):
         assert part in text, text

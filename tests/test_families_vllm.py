@@ -13,8 +13,16 @@ from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
 
-COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, initializer_range=0.1)
+COMMON = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
 FAMILIES = {
     "qwen3": dict(head_dim=32),
     "mistral": {},
@@ -32,10 +40,14 @@ def build(family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_all_lora_paths(family, tmp_path):
-    engine = VLLMEngine(T.make_llm(T.save_checkpoint(build(family), tmp_path / "ck"), enable_lora=True))
+    engine = VLLMEngine(
+        T.make_llm(T.save_checkpoint(build(family), tmp_path / "ck"), enable_lora=True)
+    )
     model = get_peft_model(build(family), LoraConfig(r=8, target_modules="all-linear"))
     T.perturb(model, seed=1, scale=0.3)
-    for step, strategy in enumerate((FullSync(lora="merge"), FullSync(lora="separate"), AdapterSync())):
+    for step, strategy in enumerate(
+        (FullSync(lora="merge"), FullSync(lora="separate"), AdapterSync())
+    ):
         T.perturb(model, seed=10 + step, scale=0.3)
         stale = T.compare(model, engine)  # (a random Gemma-2 may repeat one token: use logprobs)
         assert stale["engine"] != stale["trainer"] or stale["max_logprob_diff"] > 0.1

@@ -20,8 +20,15 @@ from weightsync import testing
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 CASES = [
-    "full", "refused-shapes", "abort-mid-stream", "lora-merged", "lora-served", "reload",
-    "refused-adapter-rank", "refused-on-rank-1", "engine-on-rank-1",
+    "full",
+    "refused-shapes",
+    "abort-mid-stream",
+    "lora-merged",
+    "lora-served",
+    "reload",
+    "refused-adapter-rank",
+    "refused-on-rank-1",
+    "engine-on-rank-1",
 ]
 TIMEOUT = 240
 
@@ -37,13 +44,24 @@ def test_fsdp2_two_ranks_sync_into_vllm_on_rank_0(tmp_path):
     checkpoint = testing.save_checkpoint(testing.tiny_model("qwen2", seed=0), tmp_path / "ckpt")
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [
-        str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(WORKER), checkpoint,
+        str(torchrun),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(WORKER),
+        checkpoint,
     ]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     # A session of its own: on failure the whole group (torchrun and its two ranks) is stopped.
     proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:

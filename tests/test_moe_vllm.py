@@ -31,14 +31,25 @@ from weightsync.errors import UnsupportedModelError
 from weightsync.plan import Tensor
 from weightsync.stream import base_tensors
 
-COMMON = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-          "max_position_embeddings": 512, "initializer_range": 0.1, "num_experts_per_tok": 2,
-          "head_dim": 32}
+COMMON = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "num_experts_per_tok": 2,
+    "head_dim": 32,
+}
 FAMILIES = ["qwen3_moe", "mixtral"]
 # LoRA on attention and, through peft's target_parameters, on the fused experts themselves
-LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"],
-        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+LORA = {
+    "r": 4,
+    "target_modules": ["q_proj", "v_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
@@ -106,8 +117,11 @@ def test_a_layout_that_is_not_a_view_runs_transformers_ops():
 
 def test_a_checkpoint_tensor_built_from_several_parameters_is_refused():
     model = build("mixtral")
-    rule = WeightConverter([".experts.gate_up_proj", ".experts.down_proj"], ".experts.both",
-                           operations=[Interleave(dim=0)])  # many in memory -> one on disk
+    rule = WeightConverter(
+        [".experts.gate_up_proj", ".experts.down_proj"],
+        ".experts.both",
+        operations=[Interleave(dim=0)],
+    )  # many in memory -> one on disk
     with pytest.raises(UnsupportedModelError, match="saved fused with other parameters"):
         Layout(model, [rule]).split("model.layers.0.mlp.experts.gate_up_proj", (4, 512, 128))
 
@@ -205,6 +219,9 @@ def test_served_lora_refused_on_a_cpu_moe_engine(family, engine, monkeypatch):
     assert engine._cpu_moe and not engine.keeps_unsent_layers
     monkeypatch.setattr(engine, "_lora_config", LoRAConfig(max_lora_rank=16))
     model = get_peft_model(build(family), LoraConfig(r=8, target_modules=["q_proj"]))
-    with T.count_writes(engine) as writes, pytest.raises(AdapterError, match="cannot apply LoRA to a MoE model"):
+    with (
+        T.count_writes(engine) as writes,
+        pytest.raises(AdapterError, match="cannot apply LoRA to a MoE model"),
+    ):
         engine.check_adapter(adapter(model))
     assert writes == []

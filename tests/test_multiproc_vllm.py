@@ -21,7 +21,11 @@ from weightsync.engines import VLLMMultiprocEngine, adapt
 from weightsync.engines.vllm.server import WORKER_EXTENSION
 
 ATOL = 1e-3
-LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
+LORA = {
+    "r": 8,
+    "lora_alpha": 16,
+    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+}
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -17,7 +17,9 @@ from weightsync.testing import tiny_model
 
 def test_docs_table_is_the_code_table():
     doc = (Path(__file__).parents[1] / "docs" / "peft-support.md").read_text()
-    assert peft_support.options_table() in doc, "regenerate docs/peft-support.md from options_table()"
+    assert peft_support.options_table() in doc, (
+        "regenerate docs/peft-support.md from options_table()"
+    )
 
 
 def test_every_option_of_this_peft_is_classified():

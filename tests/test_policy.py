@@ -14,16 +14,25 @@ def choose(**kw):
     return policy.choose(**kw)
 
 
-@pytest.mark.parametrize("rollout_lora,base_sync_done,level", list(itertools.product(BOOLS, BOOLS, LEVELS)))
+@pytest.mark.parametrize(
+    "rollout_lora,base_sync_done,level", list(itertools.product(BOOLS, BOOLS, LEVELS))
+)
 def test_full_training_always_full_sync(rollout_lora, base_sync_done, level):
-    s = choose(train_type="full", rollout_lora=rollout_lora, base_sync_done=base_sync_done, sleep_level=level)
+    s = choose(
+        train_type="full",
+        rollout_lora=rollout_lora,
+        base_sync_done=base_sync_done,
+        sleep_level=level,
+    )
     assert type(s) is FullSync and s.lora is None
     assert "full training" in s.reason
 
 
 @pytest.mark.parametrize("base_sync_done,level", list(itertools.product(BOOLS, LEVELS)))
 def test_lora_not_served_is_merged(base_sync_done, level):
-    s = choose(train_type="lora", rollout_lora=False, base_sync_done=base_sync_done, sleep_level=level)
+    s = choose(
+        train_type="lora", rollout_lora=False, base_sync_done=base_sync_done, sleep_level=level
+    )
     assert type(s) is FullSync and s.lora == "merge"
     assert "merged" in s.reason
 
@@ -50,14 +59,26 @@ def test_lora_served_base_kept_adapter_only(level):
 
 @pytest.mark.parametrize("base_sync_done,level", [(False, 0), (False, 1), (False, 2), (True, 2)])
 def test_prefer_reload_where_base_must_be_restored(base_sync_done, level):
-    s = choose(train_type="lora", rollout_lora=True, base_sync_done=base_sync_done, sleep_level=level, prefer_reload=True)
+    s = choose(
+        train_type="lora",
+        rollout_lora=True,
+        base_sync_done=base_sync_done,
+        sleep_level=level,
+        prefer_reload=True,
+    )
     assert type(s) is ReloadWeights and s.snapshot_dir is None
     assert "checkpoint" in s.reason
 
 
 @pytest.mark.parametrize("level", (0, 1))
 def test_prefer_reload_keeps_adapter_only_when_base_is_held(level):
-    s = choose(train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=level, prefer_reload=True)
+    s = choose(
+        train_type="lora",
+        rollout_lora=True,
+        base_sync_done=True,
+        sleep_level=level,
+        prefer_reload=True,
+    )
     assert type(s) is AdapterSync
 
 
@@ -67,7 +88,13 @@ def test_prefer_reload_keeps_adapter_only_when_base_is_held(level):
 )
 def test_prefer_reload_invalid_says_why(train_type, rollout_lora, match):
     with pytest.raises(ValueError, match=match) as err:
-        choose(train_type=train_type, rollout_lora=rollout_lora, base_sync_done=True, sleep_level=2, prefer_reload=True)
+        choose(
+            train_type=train_type,
+            rollout_lora=rollout_lora,
+            base_sync_done=True,
+            sleep_level=2,
+            prefer_reload=True,
+        )
     assert "stale" in str(err.value)
 
 

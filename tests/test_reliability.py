@@ -15,6 +15,7 @@ import copy
 import math
 import re
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ class FlakyEngine(VLLMEngine):
     fail_after: int | None = None
     corrupt_next = False
     buckets_seen = 0
-    received: list[tuple[str, torch.Tensor]] = []
+    received: Sequence[tuple[str, torch.Tensor]] = ()
 
     def load_weights(self, buckets):
         n, self.fail_after = self.fail_after, None
@@ -90,7 +91,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_engine(checkpoints):
     """Untied llama, serving LoRA, prefix caching on."""
-    return FlakyEngine(T.make_llm(checkpoints["llama"], enable_lora=True, enable_prefix_caching=True))
+    return FlakyEngine(
+        T.make_llm(checkpoints["llama"], enable_lora=True, enable_prefix_caching=True)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +219,10 @@ def test_adapter_only_after_level2_is_refused(lora_engine, tell):
 
     # The policy, told the sleep level, restores the base and the adapter.
     strategy = policy.choose(
-        train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=lora_engine.sleep_level
+        train_type="lora",
+        rollout_lora=True,
+        base_sync_done=True,
+        sleep_level=lora_engine.sleep_level,
     )
     assert isinstance(strategy, FullSync)
     strategy.sync(newer, lora_engine, verify=True)
@@ -277,7 +283,9 @@ def small_policy_buckets(monkeypatch):
 
 
 @pytest.mark.parametrize("train_type", ["full", "lora"])
-def test_syncer_recovers_after_failure_mid_sync(lora_engine, plain_engine, small_policy_buckets, train_type):
+def test_syncer_recovers_after_failure_mid_sync(
+    lora_engine, plain_engine, small_policy_buckets, train_type
+):
     engine = lora_engine if train_type == "lora" else plain_engine
     make = lora_model if train_type == "lora" else full_model
     model = make(seed=20)
@@ -391,7 +399,10 @@ def _long_prompt_tokens(engine, prompt, model_for_check=None):
 
     params = SamplingParams(temperature=0, max_tokens=4, detokenize=False, ignore_eos=True)
     out = engine.llm.generate(
-        [TokensPrompt(prompt_token_ids=prompt)], params, lora_request=engine.lora_request, use_tqdm=False
+        [TokensPrompt(prompt_token_ids=prompt)],
+        params,
+        lora_request=engine.lora_request,
+        use_tqdm=False,
     )[0]
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
@@ -692,14 +703,16 @@ def test_a_failure_while_asleep_stays_one_failure(lora_engine, pytester):
     )
     seconds = time.perf_counter() - start
     NESTED.clear()
-    result.stdout.fnmatch_lines([
-        "*test_fails_while_asleep FAILED*",
-        "*test_generates_after_the_sleep PASSED*",
-        "*test_hangs_in_generate*Timeout*",
-        "*test_generates_after_the_timeout PASSED*",
-        "*test_generate_raises FAILED*",
-        "*test_generates_after_the_failed_generate PASSED*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_fails_while_asleep FAILED*",
+            "*test_generates_after_the_sleep PASSED*",
+            "*test_hangs_in_generate*Timeout*",
+            "*test_generates_after_the_timeout PASSED*",
+            "*test_generate_raises FAILED*",
+            "*test_generates_after_the_failed_generate PASSED*",
+        ]
+    )
     result.assert_outcomes(passed=3, failed=3)
     print(f"nested session: 3 failures, 3 passes in {seconds:.1f} s (10 s of it the timeout)")
     assert seconds < 60

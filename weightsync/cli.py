@@ -18,9 +18,9 @@ def demo(arch: str) -> None:
     from peft import LoraConfig, get_peft_model
 
     from . import AdapterSync, Syncer
-    from .errors import BaseDiscardedError
     from . import testing as T
     from .engines import VLLMEngine
+    from .errors import BaseDiscardedError
 
     prompt = T.PROMPTS[0]
 
@@ -35,7 +35,9 @@ def demo(arch: str) -> None:
         engine = VLLMEngine(T.make_llm(checkpoint, enable_lora=True))
 
         print("\n== LoRA training, the engine serves the adapter ==")
-        model = get_peft_model(T.tiny_model(arch), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+        model = get_peft_model(
+            T.tiny_model(arch), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+        )
         syncer = Syncer(engine, train_type="lora", verify=True)
         for step, level in enumerate([0, 1, 2, 0]):
             T.perturb(model, seed=step, scale=0.3)  # an optimizer step on the adapter
@@ -53,8 +55,10 @@ def demo(arch: str) -> None:
                     print(f"  an adapter-only sync is refused: {str(err)[:90]}...")
             report = syncer.sync(model)
             print(f"  chose {report.strategy}: {report.reason}")
-            print(f"  sent {report.tensors} tensors, {report.bytes / 1e6:.2f} MB in {report.seconds * 1e3:.1f} ms; "
-                  f"canary logprob diff {report.verified_logprob_diff:.2e}")
+            print(
+                f"  sent {report.tensors} tensors, {report.bytes / 1e6:.2f} MB in {report.seconds * 1e3:.1f} ms; "
+                f"canary logprob diff {report.verified_logprob_diff:.2e}"
+            )
             show("after sync", model, engine)
 
         print("\n== full training ==")

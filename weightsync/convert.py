@@ -203,10 +203,16 @@ def to_checkpoint(tensors: list[Tensor], layout: Layout) -> list[Tensor]:
         for i, piece in enumerate(pieces):
             # A view of a tensor the trainer holds is held too (produce(held) reads it in
             # place); everything else (merged, inputs) is the parameter's.
-            out.append(replace(
-                t, name=piece.name, shape=piece.shape, produce=full.piece(i, piece.take),
-                source=hash((t.source, i)), held=t.held if piece.view else None,
-            ))
+            out.append(
+                replace(
+                    t,
+                    name=piece.name,
+                    shape=piece.shape,
+                    produce=full.piece(i, piece.take),
+                    source=hash((t.source, i)),
+                    held=t.held if piece.view else None,
+                )
+            )
     return out
 
 

@@ -197,7 +197,7 @@ def sync(
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, mine, group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(outcomes))
-    for r, (status, detail) in zip(ranks, outcomes):
+    for r, (status, detail) in zip(ranks, outcomes, strict=True):
         if status == "error":
             _raise(r, detail[0], detail[1], cause=failed)
     if any(detail != outcomes[0][1] for _, detail in outcomes):

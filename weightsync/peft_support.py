@@ -63,22 +63,37 @@ OPTIONS: dict[str, tuple[Handling, str]] = {
     "alpha_pattern": ("exact", "per-module alpha, read from each layer"),
     "modules_to_save": ("exact", "trained full copies, sent as base weights in both modes"),
     "fan_in_fan_out": ("merge", "transposed (Conv1D) layouts are merged; serving them is untested"),
-    "bias": ("merge", "trained base biases are full weights: sent by a full sync, not by an adapter"),
+    "bias": (
+        "merge",
+        "trained base biases are full weights: sent by a full sync, not by an adapter",
+    ),
     "lora_bias": ("merge", "a bias on lora_B is merged into the base bias; vLLM cannot serve it"),
     # Initialisation only.
-    "init_lora_weights": ("init", "initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA rewrite the base"),
+    "init_lora_weights": (
+        "init",
+        "initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA rewrite the base",
+    ),
     "loftq_config": ("init", "LoftQ initialisation settings"),
     "eva_config": ("init", "EVA initialisation settings"),
     "corda_config": ("init", "CorDA initialisation settings"),
     "lora_ga_config": ("init", "LoRA-GA initialisation settings"),
     # Everything below changes the forward pass in ways weightsync does not reproduce.
-    "use_dora": ("refused", "DoRA rescales each weight by a learned magnitude; not merged, not served by vLLM"),
+    "use_dora": (
+        "refused",
+        "DoRA rescales each weight by a learned magnitude; not merged, not served by vLLM",
+    ),
     "layer_replication": ("refused", "replicated layers change the architecture the engine runs"),
     "trainable_token_indices": ("refused", "trainable token rows are a separate PEFT layer type"),
-    "target_parameters": ("merge", "LoRA on raw parameters (MoE experts) is merged per expert; no engine serves it"),
+    "target_parameters": (
+        "merge",
+        "LoRA on raw parameters (MoE experts) is merged per expert; no engine serves it",
+    ),
     "megatron_config": ("refused", "Megatron-parallel LoRA layers are not walked"),
     "use_qalora": ("refused", "quantization-aware LoRA needs the quantized base"),
-    "alora_invocation_tokens": ("refused", "activated LoRA depends on the prompt, not only the weights"),
+    "alora_invocation_tokens": (
+        "refused",
+        "activated LoRA depends on the prompt, not only the weights",
+    ),
     "velora_config": ("refused", "VeLoRA changes the layer"),
     "monteclora_config": ("refused", "MonteCLoRA samples its adapter"),
     "arrow_config": ("refused", "Arrow routes between adapters per token"),
@@ -119,13 +134,19 @@ def config_problems(config: object, mode: Mode) -> list[str]:
             continue
         handling, why = OPTIONS.get(field.name, ("refused", "an option weightsync does not know"))
         if handling == "refused" or (handling == "merge" and mode == "serve"):
-            advice = "merge the adapter (an engine without LoRA)" if handling == "merge" else "train without it"
+            advice = (
+                "merge the adapter (an engine without LoRA)"
+                if handling == "merge"
+                else "train without it"
+            )
             problems.append(f"{field.name}={value!r}: {why}; {advice}")
     return problems
 
 
 def _empty(value: object) -> bool:
-    return value is None or (isinstance(value, (str, list, tuple, set, frozenset, dict)) and not value)
+    return value is None or (
+        isinstance(value, (str, list, tuple, set, frozenset, dict)) and not value
+    )
 
 
 def _same(value: object, default: object) -> bool:
@@ -160,11 +181,17 @@ def module_problems(model: nn.Module, mode: Mode) -> list[str]:
     found: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, BaseTunerLayer):
-            if type(module) not in layers or (mode == "serve" and type(module).__name__ == "ParamWrapper"):
+            if type(module) not in layers or (
+                mode == "serve" and type(module).__name__ == "ParamWrapper"
+            ):
                 kind = f"{type(module).__module__}.{type(module).__name__}"
                 found.setdefault(f"PEFT layer type {kind} is not synced", []).append(name)
                 continue
-            variants = {type(v).__name__ for a, v in module.lora_variant.items() if a in module.active_adapters}
+            variants = {
+                type(v).__name__
+                for a, v in module.lora_variant.items()
+                if a in module.active_adapters
+            }
             if variants:
                 found.setdefault(f"LoRA variant {sorted(variants)} is not synced", []).append(name)
             bias_adapters = [a for a in module.active_adapters if module.lora_bias.get(a)]
@@ -181,7 +208,9 @@ def module_problems(model: nn.Module, mode: Mode) -> list[str]:
                     [],
                 ).append(name)
             if module.merged and module.disable_adapters:
-                found.setdefault("adapters disabled while merged; call unmerge_adapter() first", []).append(name)
+                found.setdefault(
+                    "adapters disabled while merged; call unmerge_adapter() first", []
+                ).append(name)
         elif isinstance(module, AuxiliaryTrainingWrapper) and type(module) not in wrappers:
             found.setdefault(f"PEFT wrapper {type(module).__name__} is not synced", []).append(name)
     return [f"{problem} ({_few(names)})" for problem, names in found.items()]
@@ -220,7 +249,9 @@ def check(model: PeftModel, mode: Mode) -> Setup:
     adapters = tuple(_active_adapters(model))
     problems = []
     for name in adapters:
-        problems += [f"adapter {name!r}: {p}" for p in config_problems(model.peft_config[name], mode)]
+        problems += [
+            f"adapter {name!r}: {p}" for p in config_problems(model.peft_config[name], mode)
+        ]
     if mode == "serve" and len(adapters) != 1:
         problems.append(
             f"{len(adapters)} active adapters {list(adapters)}: an engine serves one adapter per "
@@ -247,7 +278,9 @@ def check(model: PeftModel, mode: Mode) -> Setup:
 
 
 def _active_adapters(model: PeftModel) -> list[str]:
-    active = model.base_model.active_adapters if hasattr(model, "base_model") else model.active_adapters
+    active = (
+        model.base_model.active_adapters if hasattr(model, "base_model") else model.active_adapters
+    )
     return [active] if isinstance(active, str) else list(active)
 
 
@@ -300,7 +333,9 @@ def options_table() -> str:
     rows = ["| option | weightsync | why | tested by |", "|---|---|---|---|"]
     for name, (handling, why) in OPTIONS.items():
         test = TESTED_BY.get(name) or TESTED_BY.get(handling if handling == "inert" else "", "")
-        rows.append(f"| `{name}` | {_SAYS[handling]} | {why} | {test or 'refused when set: not run'} |")
+        rows.append(
+            f"| `{name}` | {_SAYS[handling]} | {why} | {test or 'refused when set: not run'} |"
+        )
     rows.append(
         "| any other option | refused when set | an option weightsync does not know | "
         f"{TESTED_BY['(unknown option)']} |"

@@ -79,8 +79,12 @@ def change_key(t: Tensor) -> tuple | None:
     tensors = [x for x in t.inputs if isinstance(x, torch.Tensor)]
     if not t.inputs or any(x.requires_grad for x in tensors):
         return None
-    return (t.merged,) + tuple(
-        (id(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else x for x in t.inputs
+    return (
+        t.merged,
+        *(
+            (id(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else x
+            for x in t.inputs
+        ),
     )
 
 
@@ -176,7 +180,9 @@ class Plan:
                 f"({', '.join(self.skipped[:2])}{', ...' if len(self.skipped) > 2 else ''})"
             )
         lines += [f"  {i}. {step}" for i, step in enumerate(steps, 1)] or ["  nothing to write"]
-        shown = [f"{t.name} {list(t.shape)}{' (merged)' if t.merged else ''}" for t in self.weights[:3]]
+        shown = [
+            f"{t.name} {list(t.shape)}{' (merged)' if t.merged else ''}" for t in self.weights[:3]
+        ]
         if len(self.weights) > 3:
             shown.append(f"... {len(self.weights) - 3} more, in layer order")
         lines += [f"     {line}" for line in shown]
@@ -190,4 +196,3 @@ def _targets(adapter: Adapter) -> set[str]:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
-

@@ -26,10 +26,10 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-from .convert import checkpoint_layout, lora_parameters, merged_parameter, to_checkpoint
 from . import peft_support
+from .convert import checkpoint_layout, lora_parameters, merged_parameter, to_checkpoint
 from .errors import UnsupportedModelError
-from .plan import Adapter, Tensor, nbytes, numel
+from .plan import Adapter, Tensor, numel
 
 if TYPE_CHECKING:
     # peft is untyped for mypy (skipped: Any); the names say what the code duck-types on.
@@ -133,7 +133,9 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
 
     if isinstance(module, ModulesToSaveWrapper):
         # The trained copy is what the trainer runs; original_module is the frozen original.
-        trained = module.modules_to_save[module.active_adapter] if not module.disable_adapters else None
+        trained = (
+            module.modules_to_save[module.active_adapter] if not module.disable_adapters else None
+        )
         _walk(trained if trained is not None else module.original_module, prefix, merge, out)
         return
     if isinstance(module, LoraLayer):
@@ -150,15 +152,46 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
                 merged = merged_parameter(wrapped[pname], p, prefix + pname)
                 out.append(Tensor(prefix + pname, tuple(p.shape), merged, True, id(p)))
             elif merging and pname == "weight":
-                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_weight(module, p), True, id(p), inputs=_merge_inputs(module, p)))
+                out.append(
+                    Tensor(
+                        prefix + pname,
+                        tuple(p.shape),
+                        _merged_weight(module, p),
+                        True,
+                        id(p),
+                        inputs=_merge_inputs(module, p),
+                    )
+                )
             elif merging and pname == "bias" and has_lora_bias:
-                out.append(Tensor(prefix + pname, tuple(p.shape), _merged_bias(module, p), True, id(p), inputs=_merge_inputs(module, p)))
+                out.append(
+                    Tensor(
+                        prefix + pname,
+                        tuple(p.shape),
+                        _merged_bias(module, p),
+                        True,
+                        id(p),
+                        inputs=_merge_inputs(module, p),
+                    )
+                )
             else:
-                out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)))
+                out.append(
+                    Tensor(
+                        prefix + pname,
+                        tuple(p.shape),
+                        _plain(p),
+                        source=id(p),
+                        held=p.dtype,
+                        inputs=(p,),
+                    )
+                )
         return
     for pname, p in module.named_parameters(recurse=False):
         _require_floating(prefix + pname, p)
-        out.append(Tensor(prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)))
+        out.append(
+            Tensor(
+                prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)
+            )
+        )
     for cname, child in module.named_children():
         _walk(child, f"{prefix}{cname}.", merge, out)
 
@@ -215,7 +248,16 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
         if isinstance(module, ModulesToSaveWrapper) and not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
-                out.append(Tensor(f"{name}.{pname}", tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)))
+                out.append(
+                    Tensor(
+                        f"{name}.{pname}",
+                        tuple(p.shape),
+                        _plain(p),
+                        source=id(p),
+                        held=p.dtype,
+                        inputs=(p,),
+                    )
+                )
     return out
 
 

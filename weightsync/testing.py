@@ -52,7 +52,9 @@ def tiny_config(arch: str = "qwen2", **overrides: Any):
     raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
 
 
-def tiny_model(arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> nn.Module:
+def tiny_model(
+    arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> nn.Module:
     """A random-initialised causal LM from :func:`tiny_config`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -156,20 +158,26 @@ def trainer_greedy(model: nn.Module, prompt: list[int], max_tokens: int) -> list
         for _ in range(max_tokens):
             logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1]
             ids.append(int(logits.float().argmax()))
-        return ids[len(prompt):]
+        return ids[len(prompt) :]
     finally:
         model.train(was_training)
 
 
 def compare(
-    model: nn.Module, engine: Engine | Any, *, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8
+    model: nn.Module,
+    engine: Engine | Any,
+    *,
+    prompts: list[list[int]] = PROMPTS,
+    max_tokens: int = 8,
 ) -> dict[str, Any]:
     """Engine vs trainer on ``prompts``: both token lists and the largest logprob difference."""
     engine = adapt(engine)
     result: dict[str, Any] = {"engine": [], "trainer": []}
     engine_lp: list[float] = []
     trainer_lp: list[float] = []
-    for prompt, (tokens, logprobs) in zip(prompts, engine.greedy_batch(prompts, max_tokens)):
+    for prompt, (tokens, logprobs) in zip(
+        prompts, engine.greedy_batch(prompts, max_tokens), strict=True
+    ):
         result["engine"].append(tokens)
         result["trainer"].append(trainer_greedy(model, prompt, max_tokens))
         engine_lp += logprobs

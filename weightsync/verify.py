@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -161,9 +162,12 @@ def check_engine(
             "wake_up(tags=['kv_cache']) before verifying. With the trl#5142 order (wake "
             "'weights', sync, wake 'kv_cache') sync without verify and call check_engine after."
         )
-    config = getattr(model, "config", None) or model.get_base_model().config
+    peft_or_plain: Any = model  # a transformers model, or a peft.PeftModel around one
+    config = getattr(model, "config", None) or peft_or_plain.get_base_model().config
     prompts = canary_prompts(config.vocab_size)
-    mean, largest = score_diffs(engine.score_batch(prompts, TOP_K), trainer_prompt_logprobs(model, prompts))
+    mean, largest = score_diffs(
+        engine.score_batch(prompts, TOP_K), trainer_prompt_logprobs(model, prompts)
+    )
     limit = tolerance or TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
     if not (mean <= limit.mean and largest <= limit.max):  # NaN fails too
         # The engine does not hold what was sent: keep no record of it, so that the next sync

@@ -22,7 +22,6 @@ from ..errors import BaseDiscardedError, EngineAsleepError
 from ..plan import Adapter, Bucket
 
 
-
 class Engine(ABC):
     """A rollout engine seen from the trainer.
 

@@ -27,6 +27,7 @@ from ..errors import WeightMismatchError
 from ..plan import Bucket, Plan, Tensor, change_key, numel
 from ..stream import buckets
 
+
 @dataclass(frozen=True)
 class SyncReport:
     """What one sync did.
@@ -130,7 +131,9 @@ class Strategy(ABC):
             from ..verify import check_engine
 
             diff = check_engine(model, engine, strategy=self.label)
-            report = SyncReport(**{**report.to_dict(), "verified_logprob_diff": diff}, plan=report.plan)
+            report = SyncReport(
+                **{**report.to_dict(), "verified_logprob_diff": diff}, plan=report.plan
+            )
         return report
 
     @abstractmethod
@@ -211,7 +214,10 @@ def unchanged(tensors: list[Tensor], engine: Engine) -> tuple[list[Tensor], list
     """
     keys = {t.name: change_key(t) for t in tensors}
     held_after = {
-        t.name: (keys[t.name], tuple(weakref.ref(x) for x in t.inputs if isinstance(x, torch.Tensor)))
+        t.name: (
+            keys[t.name],
+            tuple(weakref.ref(x) for x in t.inputs if isinstance(x, torch.Tensor)),
+        )
         for t in tensors
         if keys[t.name] is not None
     }
@@ -259,7 +265,9 @@ def _expected_bytes(engine: Engine) -> int:
     return sum(numel(shape) * itemsize for shape in engine.expected_weights.values())
 
 
-def write_snapshot(tensors: Iterable[Tensor], dtype: torch.dtype, folder: Path, bucket_bytes: int) -> None:
+def write_snapshot(
+    tensors: Iterable[Tensor], dtype: torch.dtype, folder: Path, bucket_bytes: int
+) -> None:
     """Write ``tensors`` as safetensors shards into ``folder``, replacing earlier shards."""
     from safetensors.torch import save_file
 
@@ -272,7 +280,10 @@ def write_snapshot(tensors: Iterable[Tensor], dtype: torch.dtype, folder: Path, 
     for t in tensors:
         unique.setdefault(t.source, t)
     for i, bucket in enumerate(buckets(list(unique.values()), dtype, bucket_bytes)):
-        save_file({name: t.contiguous() for name, t in bucket}, str(folder / f"weights-{i:05d}.safetensors"))
+        save_file(
+            {name: t.contiguous() for name, t in bucket},
+            str(folder / f"weights-{i:05d}.safetensors"),
+        )
 
 
 def check_names(tensors: list[Tensor], engine: Engine, *, complete: bool) -> None:
@@ -291,7 +302,9 @@ def check_names(tensors: list[Tensor], engine: Engine, *, complete: bool) -> Non
     if complete:
         missing = sorted(set(expected) - set(names))
         if missing:
-            problems.append(f"{len(missing)} weight(s) the engine loads but the trainer did not send: {_few(missing)}")
+            problems.append(
+                f"{len(missing)} weight(s) the engine loads but the trainer did not send: {_few(missing)}"
+            )
     shapes = [
         f"{t.name}: trainer {tuple(t.shape)}, engine {tuple(expected[t.name])}"
         for t in tensors

@@ -107,13 +107,18 @@ def _require_untouched_base(model: nn.Module, engine: Engine) -> None:
     if setup.rewrites_base:
         why.append(setup.notes[0])
     trainable = [
-        n for n, p in model.named_parameters()
+        n
+        for n, p in model.named_parameters()
         if p.requires_grad and ".lora_" not in n and ".modules_to_save." not in n
     ]
     if trainable:
-        why.append(f"base parameters are trainable ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''})")
+        why.append(
+            f"base parameters are trainable ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''})"
+        )
     if not why:
-        why += _sampled_differences(base_tensors(model, merge_lora=False, expected=engine.expected_weights), engine)
+        why += _sampled_differences(
+            base_tensors(model, merge_lora=False, expected=engine.expected_weights), engine
+        )
     if why:
         raise UnsupportedModelError(
             "ReloadWeights from the engine's own checkpoint would restore a base the trainer no "
@@ -144,4 +149,8 @@ def _sampled_differences(tensors: list[Tensor], engine: Engine) -> list[str]:
         low = max((ours.dtype, theirs.dtype), key=lambda d: torch.finfo(d).eps)
         if not torch.equal(ours.to(low), theirs.to(low)):
             differ.append(t.name)
-    return [f"the trainer's base differs from the checkpoint at {', '.join(differ[:3])}"] if differ else []
+    return (
+        [f"the trainer's base differs from the checkpoint at {', '.join(differ[:3])}"]
+        if differ
+        else []
+    )

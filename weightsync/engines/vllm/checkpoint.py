@@ -54,7 +54,7 @@ def shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for f in files:
         with safe_open(f, framework="pt") as h:
-            for key in h.keys():
+            for key in h.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
                 out[key] = tuple(h.get_slice(key).get_shape())
     return out
 
@@ -67,17 +67,23 @@ def heads(files: list[str], names: list[str]) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(f, framework="pt") as h:
             for key in wanted.intersection(h.keys()):
-                out[key] = h.get_slice(key)[0] if len(h.get_slice(key).get_shape()) > 1 else h.get_slice(key)[:]
+                out[key] = (
+                    h.get_slice(key)[0]
+                    if len(h.get_slice(key).get_shape()) > 1
+                    else h.get_slice(key)[:]
+                )
     return out
 
 
-def read_with_twins(files: list[str], twins: Mapping[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_with_twins(
+    files: list[str], twins: Mapping[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of ``files``, a tied tensor also under each of its twins' names."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(f, framework="pt") as h:
-            for key in h.keys():
+            for key in h.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
                 tensor = h.get_tensor(key)
                 yield key, tensor
                 for twin in twins.get(key, ()):

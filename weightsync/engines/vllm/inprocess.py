@@ -61,7 +61,12 @@ def _has_cpu_moe(model: torch.nn.Module) -> bool:
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     return any(
-        isinstance(getattr(getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None), CPUUnquantizedExperts)
+        isinstance(
+            getattr(
+                getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None
+            ),
+            CPUUnquantizedExperts,
+        )
         for m in model.modules()
     )
 
@@ -127,7 +132,9 @@ def _watch_sleeps(engine: VLLMEngine) -> None:
         result = wake_up(tags)
         if adapter is not None:
             # vLLM ignores a wake naming a tag that is not asleep: trust its tags, not ours.
-            adapter.mark_awake([t for t in ("weights", "kv_cache") if t not in executor.sleeping_tags])
+            adapter.mark_awake(
+                [t for t in ("weights", "kv_cache") if t not in executor.sleeping_tags]
+            )
         return result
 
     executor.sleep = recorded_sleep
@@ -304,8 +311,14 @@ class VLLMEngine(Engine):
         return ckpt.heads(self._files, names)
 
     def describe(self) -> str:
-        lora = f", serves LoRA up to rank {self._lora_config.max_lora_rank}" if self.serves_lora else ""
-        return f"in-process vLLM on {self.checkpoint} ({str(self.dtype).removeprefix('torch.')}{lora})"
+        lora = (
+            f", serves LoRA up to rank {self._lora_config.max_lora_rank}"
+            if self.serves_lora
+            else ""
+        )
+        return (
+            f"in-process vLLM on {self.checkpoint} ({str(self.dtype).removeprefix('torch.')}{lora})"
+        )
 
     def check_adapter(self, adapter: Adapter) -> None:
         if not self.serves_lora:
@@ -419,7 +432,9 @@ class VLLMEngine(Engine):
         results = []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)
-            logprobs = [step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs)]
+            logprobs = [
+                step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
+            ]
             results.append((tokens, logprobs))
         return results
 

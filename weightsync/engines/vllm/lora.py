@@ -55,8 +55,15 @@ def _lora_manager(worker: Any) -> Any:
 # What install_adapter uses of vLLM's private LoRA internals (as of vLLM 0.32).
 _MANAGER_ATTRS = ("lora_config", "vocab_size", "max_position_embeddings", "_adapter_manager")
 _INNER_ATTRS = (
-    "model", "supported_lora_modules", "packed_modules_mapping", "capacity", "remove_adapter",
-    "add_adapter", "activate_adapter", "_validate_moe_lora_format", "_validate_modules_to_save",
+    "model",
+    "supported_lora_modules",
+    "packed_modules_mapping",
+    "capacity",
+    "remove_adapter",
+    "add_adapter",
+    "activate_adapter",
+    "_validate_moe_lora_format",
+    "_validate_modules_to_save",
     "_validate_token_classification_lora",
 )
 
@@ -88,8 +95,13 @@ def _expected_modules(inner: Any) -> set[str]:
     return expected
 
 
-def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], peft_helper: Any,
-                   mapper: Any, skip_prefixes: list[str] | None) -> None:
+def _check_modules(
+    tensors: dict[str, torch.Tensor],
+    expected: set[str],
+    peft_helper: Any,
+    mapper: Any,
+    skip_prefixes: list[str] | None,
+) -> None:
     """The check vLLM runs on the safetensors keys before loading: every tensor must target a
     module this model applies LoRA to, or it would be silently dropped."""
     from vllm.lora.lora_model import LoRAModel
@@ -103,7 +115,7 @@ def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], peft_he
             continue
         module, _ = parse_fine_tuned_lora_name(key, mapper)
         if ".experts" in module:
-            ok = module[module.find(".experts") + 1:] in expected
+            ok = module[module.find(".experts") + 1 :] in expected
         else:
             leaf = module.rsplit(".", 1)[-1]
             ok = leaf in expected or leaf in (peft_helper.modules_to_save or ())
@@ -188,4 +200,3 @@ def install_adapter(
         inner.add_adapter(lora)
         inner.activate_adapter(lora_int_id)
     return True
-

@@ -77,7 +77,9 @@ class Control(ABC):
         """Greedy-decode each prompt (with the adapter loaded under ``lora``, if given)."""
 
     @abstractmethod
-    def score(self, prompts: list[list[int]], top_k: int, lora: str | None) -> list[list[dict[int, float]]]:
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
         """Prompt logprobs (see :meth:`Engine.score_batch`), with the adapter under ``lora``."""
 
     @abstractmethod
@@ -106,14 +108,20 @@ class HTTPControl(Control):
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            r = self._session.request(method, self.base_url + path, timeout=self.timeout_s, **kwargs)
+            r = self._session.request(
+                method, self.base_url + path, timeout=self.timeout_s, **kwargs
+            )
         except self._requests.ConnectionError:
             # A keep-alive connection the server reset after an error: retry once, fresh.
             self._session = self._requests.Session()
-            r = self._session.request(method, self.base_url + path, timeout=self.timeout_s, **kwargs)
+            r = self._session.request(
+                method, self.base_url + path, timeout=self.timeout_s, **kwargs
+            )
         if r.status_code >= 400:
             self._session = self._requests.Session()
-            raise RuntimeError(f"{method} {self.base_url}{path} -> HTTP {r.status_code}: {r.text[:2000]}")
+            raise RuntimeError(
+                f"{method} {self.base_url}{path} -> HTTP {r.status_code}: {r.text[:2000]}"
+            )
         if not r.content:
             return None
         try:
@@ -157,10 +165,14 @@ class HTTPControl(Control):
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        choices = sorted(self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        choices = sorted(
+            self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"]
+        )
         return [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
 
-    def score(self, prompts: list[list[int]], top_k: int, lora: str | None) -> list[list[dict[int, float]]]:
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
         body = {
             "model": lora or self.model,
             "prompt": [list(p) for p in prompts],
@@ -169,9 +181,14 @@ class HTTPControl(Control):
             "prompt_logprobs": top_k,
             "return_tokens_as_token_ids": True,
         }
-        choices = sorted(self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        choices = sorted(
+            self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"]
+        )
         return [
-            [{_token_id(k): v["logprob"] for k, v in pos.items()} for pos in c["prompt_logprobs"][1:]]
+            [
+                {_token_id(k): v["logprob"] for k, v in pos.items()}
+                for pos in c["prompt_logprobs"][1:]
+            ]
             for c in choices
         ]
 
@@ -238,15 +255,21 @@ class LLMControl(Control):
         results = []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)
-            logprobs = [step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs)]
+            logprobs = [
+                step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
+            ]
             results.append((tokens, logprobs))
         return results
 
-    def score(self, prompts: list[list[int]], top_k: int, lora: str | None) -> list[list[dict[int, float]]]:
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False
+        )
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
             params,
@@ -304,7 +327,9 @@ class RemoteVLLMEngine(Engine):
         self._expected = {k: tuple(v) for k, v in self.facts["weights"].items()}
         self.transport = make_transport(transport)
         self.transport.connect(self._rpc, int(self.facts["world_size"]))
-        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=_tmpfs()))
+        self._adapter_root = Path(
+            adapter_dir or tempfile.mkdtemp(prefix="weightsync-", dir=_tmpfs())
+        )
         self._remove_adapter_root = (
             weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)
             if adapter_dir is None
@@ -491,7 +516,9 @@ class VLLMServerEngine(RemoteVLLMEngine):
 
     name = "vllm-server"
 
-    def __init__(self, base_url: str, *, transport: str | Transport = "tmpfs", **kwargs: Any) -> None:
+    def __init__(
+        self, base_url: str, *, transport: str | Transport = "tmpfs", **kwargs: Any
+    ) -> None:
         super().__init__(HTTPControl(base_url), transport=transport, **kwargs)
 
 
@@ -588,10 +615,13 @@ class Replicas(Engine):
                 yield item
 
         with ThreadPoolExecutor(len(self.engines), thread_name_prefix="weightsync-replica") as pool:
-            futures = [pool.submit(e.load_weights, stream(q)) for e, q in zip(self.engines, queues)]
+            futures = [
+                pool.submit(e.load_weights, stream(q))
+                for e, q in zip(self.engines, queues, strict=True)
+            ]
 
             def put(item: Any) -> None:
-                for q, f in zip(queues, futures):
+                for q, f in zip(queues, futures, strict=True):
                     while not f.done():  # a replica that failed takes nothing more
                         try:
                             q.put(item, timeout=0.1)
@@ -631,7 +661,9 @@ class Replicas(Engine):
         results = [e.greedy_batch(prompts, max_tokens) for e in self.engines]
         for i, other in enumerate(results[1:], 1):
             if [t for t, _ in other] != [t for t, _ in results[0]]:
-                raise RuntimeError(f"replica {i} generates other tokens than replica 0: out of sync")
+                raise RuntimeError(
+                    f"replica {i} generates other tokens than replica 0: out of sync"
+                )
         return results[0]
 
     def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:

@@ -152,8 +152,15 @@ class GlooTransport(Transport):
 
         size = world_size + 1
         timeout = timedelta(seconds=self.timeout_s)
-        self._store = TCPStore(self.host, self.port, size, True, timeout=timeout, wait_for_workers=False)
-        kwargs = {"host": self.host, "port": self._store.port, "world_size": size, "timeout_s": self.timeout_s}
+        self._store = TCPStore(
+            self.host, self.port, size, True, timeout=timeout, wait_for_workers=False
+        )
+        kwargs = {
+            "host": self.host,
+            "port": self._store.port,
+            "world_size": size,
+            "timeout_s": self.timeout_s,
+        }
         joined = self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
@@ -189,7 +196,10 @@ class GlooTransport(Transport):
             n = tensor.numel() * tensor.element_size()
             offsets[name] = (total, n)
             dtype = str(tensor.dtype).removeprefix("torch.")
-            meta += [[each, dtype, list(tensor.shape), total, n] for each in [name, *aliases.get(name, [])]]
+            meta += [
+                [each, dtype, list(tensor.shape), total, n]
+                for each in [name, *aliases.get(name, [])]
+            ]
             total += n
         payload = torch.empty(total, dtype=torch.uint8)
         for name, tensor in unique.items():

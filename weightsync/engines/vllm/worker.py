@@ -51,7 +51,9 @@ def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
             for key in h.keys():  # noqa: SIM118 (safe_open is not a dict)
                 shapes[key] = list(h.get_slice(key).get_shape())
     if not shapes:
-        raise FileNotFoundError(f"no *.safetensors files in {folder!r}: cannot tell what the engine loads")
+        raise FileNotFoundError(
+            f"no *.safetensors files in {folder!r}: cannot tell what the engine loads"
+        )
     return shapes
 
 
@@ -86,7 +88,9 @@ def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> bool:
     return pending
 
 
-def read_bucket_files(folder: str, twins: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_bucket_files(
+    folder: str, twins: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of every ``*.safetensors`` in ``folder``, in file order, each tensor
     also under its aliases (bucket files) and its tied twins (checkpoints)."""
     from safetensors import safe_open
@@ -281,7 +285,9 @@ class WeightsyncWorker:
     def weightsync_abandon(self) -> bool:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
         back. Safe to call when nothing is pending; returns whether anything was."""
-        return abandon_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        return abandon_layerwise_reload(
+            self.model_runner.get_model(), self.vllm_config.model_config
+        )
 
 
 def _error(e: BaseException) -> dict[str, str]:
@@ -299,5 +305,3 @@ def _lora_modules(model: torch.nn.Module) -> set[str]:
             leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
             names.update(packed.get(leaf, [leaf]))
     return names
-
-
