@@ -13,16 +13,6 @@ from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
 
-COMMON = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1024,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
 FAMILIES = {
     "qwen3": dict(head_dim=32),
     "mistral": {},
@@ -33,7 +23,7 @@ FAMILIES = {
 
 def build(family):
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    cfg = AutoConfig.for_model(family, **T.TINY, **FAMILIES[family])
     # eager attention: transformers' SDPA path does not apply Gemma-2's attention soft-capping
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
 

@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7, 7, 7, 7, 900, 12]]
 
 
+#: The tiny shape every test model uses: head_dim 32 (vLLM-CPU rejects 16), and an
+#: initializer_range above the default so greedy decoding does not repeat one token.
+TINY: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+
+
 def tiny_config(arch: str = "qwen2", **overrides: Any):
     """A 2-layer config vLLM's CPU kernels accept (head_dim 32; 16 is rejected).
 
@@ -34,17 +48,7 @@ def tiny_config(arch: str = "qwen2", **overrides: Any):
     """
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-    )
-    common.update(overrides)
+    common = {**TINY, **overrides}
     if arch == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
     if arch == "llama":

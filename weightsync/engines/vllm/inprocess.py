@@ -48,6 +48,65 @@ from .worker import (
 )
 
 
+def greedy_generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int, lora_request: Any
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy-decode ``max_tokens`` for each prompt on a ``vllm.LLM`` (in or out of process),
+    in one call; the tokens and their logprobs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        params,
+        lora_request=lora_request,
+        use_tqdm=False,
+    )
+    results = []
+    for out in outputs:
+        tokens = list(out.outputs[0].token_ids)
+        logprobs = [
+            step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
+        ]
+        results.append((tokens, logprobs))
+    return results
+
+
+def score_prompts(
+    llm: Any, prompts: list[list[int]], top_k: int, lora_request: Any
+) -> list[list[dict[int, float]]]:
+    """For each prompt, each position after the first: the logprobs vLLM gives the prompt's
+    token and its ``top_k`` most likely tokens (``prompt_logprobs``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is computed
+    # under the weights served now. One token is generated because vLLM must.
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+    # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not per
+    # prompt position: two prompts in one batch with prompt_logprobs fail ("einsum(): subscript b
+    # has size 2 ... 63"). One prompt per call is exact.
+    lora_enabled = llm.llm_engine.vllm_config.lora_config is not None
+    groups = [[p] for p in prompts] if lora_enabled else [prompts]
+    outputs = [
+        out
+        for group in groups
+        for out in llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in group],
+            params,
+            lora_request=lora_request,
+            use_tqdm=False,
+        )
+    ]
+    return [
+        [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
+        for out in outputs
+    ]
+
+
 def _watch_sleeps(engine: VLLMEngine) -> None:
     """Record every sleep and wake of ``engine``'s vLLM, however it is made.
 
@@ -345,26 +404,7 @@ class VLLMEngine(Engine):
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int
     ) -> list[tuple[list[int], list[float]]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
-        )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            params,
-            lora_request=self._lora_request,
-            use_tqdm=False,
-        )
-        results = []
-        for out in outputs:
-            tokens = list(out.outputs[0].token_ids)
-            logprobs = [
-                step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
-            ]
-            results.append((tokens, logprobs))
-        return results
+        return greedy_generate(self.llm, prompts, max_tokens, self._lora_request)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -394,29 +434,4 @@ class VLLMEngine(Engine):
     # --- verification ---------------------------------------------------------------------------
 
     def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is
-        # computed under the weights served now. One token is generated because vLLM must.
-        params = SamplingParams(
-            temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False
-        )
-        # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not
-        # per prompt position: two prompts in one batch with prompt_logprobs fail ("einsum():
-        # subscript b has size 2 ... 63"). One prompt per call is exact.
-        groups = [[p] for p in prompts] if self.serves_lora else [prompts]
-        outputs = [
-            out
-            for group in groups
-            for out in self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in group],
-                params,
-                lora_request=self._lora_request,
-                use_tqdm=False,
-            )
-        ]
-        return [
-            [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
-            for out in outputs
-        ]
+        return score_prompts(self.llm, prompts, top_k, self._lora_request)

@@ -240,46 +240,16 @@ class LLMControl(Control):
     def generate(
         self, prompts: list[list[int]], max_tokens: int, lora: str | None
     ) -> list[tuple[list[int], list[float]]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from .inprocess import greedy_generate
 
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
-        )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            params,
-            lora_request=self._loras[lora] if lora else None,
-            use_tqdm=False,
-        )
-        results = []
-        for out in outputs:
-            tokens = list(out.outputs[0].token_ids)
-            logprobs = [
-                step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
-            ]
-            results.append((tokens, logprobs))
-        return results
+        return greedy_generate(self.llm, prompts, max_tokens, self._loras[lora] if lora else None)
 
     def score(
         self, prompts: list[list[int]], top_k: int, lora: str | None
     ) -> list[list[dict[int, float]]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from .inprocess import score_prompts
 
-        params = SamplingParams(
-            temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False
-        )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            params,
-            lora_request=self._loras[lora] if lora else None,
-            use_tqdm=False,
-        )
-        return [
-            [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
-            for out in outputs
-        ]
+        return score_prompts(self.llm, prompts, top_k, self._loras[lora] if lora else None)
 
     def is_sleeping(self) -> bool:
         return bool(self.llm.llm_engine.is_sleeping())
