@@ -67,7 +67,7 @@ class _ViewsOnly(TorchFunctionMode):
 class Layout:
     """How a model's in-memory parameters map to checkpoint tensors (see the module docstring).
 
-    Built by :func:`checkpoint_layout`; :meth:`split` answers for one parameter.
+    Built by `checkpoint_layout`; `split` answers for one parameter.
     """
 
     def __init__(self, model: Any, transforms: list[Any]) -> None:

@@ -1,4 +1,4 @@
-"""Syncing from a sharded trainer (FSDP2): every rank calls :func:`sync`, one rank writes.
+"""Syncing from a sharded trainer (FSDP2): every rank calls `sync`, one rank writes.
 
 An FSDP2 trainer holds each parameter as a ``DTensor``: every rank has a shard, and gathering
 the whole tensor (``full_tensor()``) is a collective all ranks must make, in the same order.
@@ -6,7 +6,7 @@ The engine lives on one rank (``src``). A sync then goes, on every rank:
 
 1. **Facts.** ``src`` broadcasts what planning needs from the engine (dtype, expected weights
    and shapes, tied names, whether it serves LoRA, its sleep state) and the strategy to run
-   (its own, or its :class:`~weightsync.Syncer`'s choice), so every rank can plan.
+   (its own, or its `Syncer`'s choice), so every rank can plan.
 2. **Plan and agree.** Every rank plans against those facts (``src`` also checks the adapter
    against the real engine); nothing is gathered while planning. The outcomes are exchanged:
    if any rank refused or failed, every rank raises the same error, naming the rank, and
@@ -150,9 +150,9 @@ def sync(
     """Sync a sharded ``model`` into the engine held by rank ``src``; call it on every rank.
 
     Args:
-        how: on ``src``, the :class:`~weightsync.Strategy` to run or the
-            :class:`~weightsync.Syncer` that chooses it (its ``base_sync_done`` is updated as
-            :meth:`Syncer.sync` does). On the other ranks it is ignored (pass the same object,
+        how: on ``src``, the `Strategy` to run or the
+            `Syncer` that chooses it (its ``base_sync_done`` is updated as
+            `Syncer.sync` does). On the other ranks it is ignored (pass the same object,
             or None): the strategy ``src`` runs is broadcast.
         model: this rank's model (FSDP2-sharded, or whole); the same architecture on every rank.
         engine: on ``src``, the engine (or a raw ``vllm.LLM``; a Syncer's own engine is used
@@ -161,7 +161,7 @@ def sync(
         src: the global rank holding the engine.
 
     Returns:
-        The :class:`~weightsync.SyncReport`, on every rank (without ``plan`` off ``src``).
+        The `SyncReport`, on every rank (without ``plan`` off ``src``).
 
     Raises:
         On every rank, the same error, naming the rank it came from: a refusal while planning

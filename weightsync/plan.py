@@ -32,7 +32,7 @@ class Tensor:
     the trainer holds as it is; ``produce(held)`` then reads the trainer's memory, no copy.
     ``inputs`` are the trainer tensors (and scales) the value is computed from: a tensor whose
     inputs have not changed since the engine received it need not be sent again (see
-    :func:`change_key`); without inputs it is always sent.
+    `change_key`); without inputs it is always sent.
     """
 
     name: str
@@ -51,7 +51,7 @@ class Adapter:
     ``tensors`` are keyed as in ``adapter_model.safetensors``
     (``base_model.model.<module>.lora_A.weight``) and share storage with the trainer. ``config``
     is the ``adapter_config.json`` the engine reads: the trainer's config translated to what the
-    engine serves (see :mod:`weightsync.peft_support`). ``modules_to_save`` copies are not part
+    engine serves (see `weightsync.peft_support`). ``modules_to_save`` copies are not part
     of it: they are full weights, sent through the weight stream.
     """
 
@@ -108,7 +108,7 @@ class Plan:
     Executing a plan does, in this order and nothing else: with ``reload="snapshot"``, write
     ``weights`` as a checkpoint into ``snapshot_dir`` and have the engine reload that folder;
     otherwise have the engine reload its own checkpoint (``reload="checkpoint"``), then stream
-    ``weights``; last, load ``adapter``. See :func:`weightsync.strategies.base.execute`.
+    ``weights``; last, load ``adapter``. See `weightsync.strategies.base.execute`.
 
     Attributes:
         strategy: the strategy's label (``FullSync(lora=merge)``).

@@ -1,6 +1,6 @@
 """Which strategy brings the engine in step with the trainer, and why.
 
-Call :func:`choose` right after the engine wakes, before generating. The rule is the one RL
+Call `choose` right after the engine wakes, before generating. The rule is the one RL
 frameworks converged on (ms-swift's ``move_full_model``), made explicit:
 
 ===========  ============  ==============  ===========  =====================================

@@ -22,8 +22,8 @@ class Syncer:
     sync that fails half-way leaves the base marked unsynced and the next call resends
     everything.
 
-    The sleep level comes from the engine adapter (which records :meth:`Engine.sleep`, or what
-    the caller reports with :meth:`Engine.mark_asleep`), or from the ``sleep_level`` argument;
+    The sleep level comes from the engine adapter (which records `Engine.sleep`, or what
+    the caller reports with `Engine.mark_asleep`), or from the ``sleep_level`` argument;
     the deeper of the two wins.
 
     Example::
@@ -37,13 +37,13 @@ class Syncer:
             ...generate with lora_request=syncer.engine.lora_request...
 
     Args:
-        engine: an :class:`Engine` or a raw engine a registered adapter accepts (``vllm.LLM``).
+        engine: an `Engine` or a raw engine a registered adapter accepts (``vllm.LLM``).
         train_type: ``"full"`` or ``"lora"``.
         rollout_lora: the engine serves the adapter; defaults to what the engine reports.
         prefer_reload: restore a discarded base from the engine's checkpoint (see policy).
         base_sync_done: start as if the base were synced (e.g. the engine was started from the
             very checkpoint the trainer loaded, as verl assumes unless load_format is "dummy").
-        verify: check every sync on a canary prompt (see :mod:`weightsync.verify`). The canary
+        verify: check every sync on a canary prompt (see `weightsync.verify`). The canary
             is generated, so the KV cache must be awake at sync time; with the split wake of the
             example, leave this off and call ``verify.check_engine`` after the KV wake.
     """
@@ -68,7 +68,7 @@ class Syncer:
         self.choose()  # validate the setup now, not at the first sync
 
     def choose(self, sleep_level: int | None = None) -> Strategy:
-        """The strategy the next :meth:`sync` would run."""
+        """The strategy the next `sync` would run."""
         level = self.engine.sleep_level
         if sleep_level is not None:
             level = max(level, sleep_level) if sleep_level in policy.SLEEP_LEVELS else sleep_level
@@ -81,7 +81,7 @@ class Syncer:
         )
 
     def plan(self, model: nn.Module, *, sleep_level: int | None = None) -> Plan:
-        """What the next :meth:`sync` would write, checked, with nothing written:
+        """What the next `sync` would write, checked, with nothing written:
         ``print(syncer.plan(model))`` explains the choice and its cost."""
         return self.choose(sleep_level).plan(model, self.engine)
 

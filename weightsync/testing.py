@@ -59,7 +59,7 @@ def tiny_config(arch: str = "qwen2", **overrides: Any):
 def tiny_model(
     arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> nn.Module:
-    """A random-initialised causal LM from :func:`tiny_config`, in eval mode."""
+    """A random-initialised causal LM from `tiny_config`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

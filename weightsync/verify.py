@@ -83,7 +83,7 @@ def canary_prompt(vocab_size: int, length: int = CANARY_LENGTH, index: int = 0) 
 
 
 def canary_prompts(vocab_size: int) -> list[list[int]]:
-    """The prompts :func:`check_engine` scores."""
+    """The prompts `check_engine` scores."""
     return [canary_prompt(vocab_size, CANARY_LENGTH, j) for j in range(CANARY_PROMPTS)]
 
 
@@ -125,8 +125,8 @@ def score_diffs(
     """(mean, largest) ``|engine - trainer|`` over every position and token the engine scored;
     (NaN, NaN) if any difference is NaN, wherever it is.
 
-    ``engine_scores`` is :meth:`Engine.score_batch`'s answer; ``trainer`` is
-    :func:`trainer_prompt_logprobs` of the same prompts (row ``i`` predicts token ``i + 1``).
+    ``engine_scores`` is `Engine.score_batch`'s answer; ``trainer`` is
+    `trainer_prompt_logprobs` of the same prompts (row ``i`` predicts token ``i + 1``).
     """
     diffs = [
         abs(value - lp[i, token].item())

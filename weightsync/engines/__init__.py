@@ -1,5 +1,5 @@
 """Engine adapters. ``VLLMEngine`` wraps an in-process ``vllm.LLM``; another engine is one
-:class:`Engine` subclass decorated with :func:`register`.
+`Engine` subclass decorated with `register`.
 
 Importing this package does not import vLLM: the adapter imports it when it is constructed.
 """

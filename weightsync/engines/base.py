@@ -7,7 +7,7 @@ without touching the policy or the strategies.
 The adapter also owns the engine's *sleep state*. A sync must never write into sleeping weight
 memory (on a GPU that memory is unmapped: trl#5142), and after a level-2 sleep the base weights
 are gone until something restores them all (vllm#29341). Both are checked by
-:meth:`Engine.check_writable` before any strategy writes.
+`Engine.check_writable` before any strategy writes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Engine(ABC):
     enforces the same lifecycle rules.
     """
 
-    #: Name under which the adapter is registered (see :func:`register`).
+    #: Name under which the adapter is registered (see `register`).
     name: ClassVar[str]
 
     #: A write that leaves some layers out leaves them as they were, so a sync may skip the
@@ -38,7 +38,7 @@ class Engine(ABC):
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
-        """Whether this adapter can wrap the raw engine ``obj`` (used by :func:`adapt`)."""
+        """Whether this adapter can wrap the raw engine ``obj`` (used by `adapt`)."""
         return False
 
     def __init__(self) -> None:
@@ -84,7 +84,7 @@ class Engine(ABC):
         return f"{self.name} engine ({str(self.dtype).removeprefix('torch.')}{lora})"
 
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The first row of each named tensor in the checkpoint :meth:`reload_checkpoint`
+        """The first row of each named tensor in the checkpoint `reload_checkpoint`
         reloads, for a cheap check that the trainer's base is still that checkpoint. An engine
         that cannot read its checkpoint returns ``{}`` (the check then rests on the PEFT set-up
         alone)."""
@@ -103,7 +103,7 @@ class Engine(ABC):
 
     @abstractmethod
     def check_adapter(self, adapter: Adapter) -> None:
-        """Raise :class:`~weightsync.errors.AdapterError` if the engine cannot serve ``adapter``.
+        """Raise `AdapterError` if the engine cannot serve ``adapter``.
         Called before anything is written, so a bad adapter loses nothing."""
 
     @abstractmethod
@@ -128,7 +128,7 @@ class Engine(ABC):
         against the trainer."""
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """:meth:`greedy_batch` for one prompt."""
+        """`greedy_batch` for one prompt."""
         return self.greedy_batch([prompt_ids], max_tokens)[0]
 
     @abstractmethod
@@ -166,14 +166,14 @@ class Engine(ABC):
 
         Frameworks sleep the engine themselves (TRL calls ``llm.sleep(level=2)`` in its
         ``__init__`` and after every generate). An adapter that can see those calls records them
-        here with :meth:`mark_asleep` / :meth:`mark_awake`; one that sees a sleep but not its
+        here with `mark_asleep` / `mark_awake`; one that sees a sleep but not its
         level must record level 2, the level that discards the base. Called before the sleep
-        state is read. The default sees nothing: such an engine relies on :meth:`sleep` and
-        :meth:`mark_asleep`.
+        state is read. The default sees nothing: such an engine relies on `sleep` and
+        `mark_asleep`.
         """
 
     def mark_asleep(self, level: int) -> None:
-        """Record a sleep the caller made on the engine directly (without :meth:`sleep`)."""
+        """Record a sleep the caller made on the engine directly (without `sleep`)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         self._asleep = {"weights", "kv_cache"}
@@ -183,7 +183,7 @@ class Engine(ABC):
             self.held = {}
 
     def mark_awake(self, tags: list[str] | None = None) -> None:
-        """Record a wake the caller made on the engine directly (without :meth:`wake_up`)."""
+        """Record a wake the caller made on the engine directly (without `wake_up`)."""
         self._asleep -= set(tags) if tags is not None else self._asleep
 
     @property
@@ -237,14 +237,14 @@ _REGISTRY: dict[str, type[Engine]] = {}
 
 
 def register(cls: type[Engine]) -> type[Engine]:
-    """Class decorator: make an engine adapter known to :func:`adapt` under ``cls.name``."""
+    """Class decorator: make an engine adapter known to `adapt` under ``cls.name``."""
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def adapt(engine: Any) -> Engine:
     """Wrap a raw engine object (e.g. a ``vllm.LLM``) in the registered adapter that accepts it;
-    an :class:`Engine` is returned as it is."""
+    an `Engine` is returned as it is."""
     if isinstance(engine, Engine):
         return engine
     for cls in _REGISTRY.values():

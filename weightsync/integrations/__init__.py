@@ -1,5 +1,5 @@
 """Integrations with trainers: one module per trainer, each imported on its own.
 
 Importing this package imports no trainer; ``weightsync.integrations.trl`` imports TRL only
-when :func:`~weightsync.integrations.trl.use_weightsync` is called.
+when `use_weightsync` is called.
 """

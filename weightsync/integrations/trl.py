@@ -7,8 +7,8 @@ optimizer step changed, and ``generate()`` calls it again after every level-2 sl
 sync (1.16) writes one tensor at a time through the vLLM model's raw ``load_weights``, with no
 post-load processing (wrong for repacked weights; it fails outright on vLLM-CPU), sends a tied
 embedding once (vLLM's layerwise reload then keeps a stale ``lm_head``), and merges LoRA into the
-trainer's weights in place and back (the base drifts). :func:`use_weightsync` replaces that one
-method on the instance, so all of this goes through :class:`~weightsync.Syncer` instead::
+trainer's weights in place and back (the base drifts). `use_weightsync` replaces that one
+method on the instance, so all of this goes through `Syncer` instead::
 
     trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
     syncer = use_weightsync(trainer)          # before trainer.train()
@@ -20,7 +20,7 @@ What it changes, and why each piece is needed:
   ``syncer.sync(model)``, then clear TRL's ``_llm_weights_sleeping`` flag. Clearing it matters:
   ``generate()`` re-syncs whenever that flag is set, so leaving it would sync twice per step.
 - TRL sleeps and wakes the ``vllm.LLM`` itself (``llm.sleep(level=2)`` in its ``__init__`` and
-  after every generate). Nothing here tracks that: :class:`~weightsync.engines.VLLMEngine` sees
+  after every generate). Nothing here tracks that: `VLLMEngine` sees
   every sleep and wake made on its ``LLM`` (a sleep from before it existed counts as level 2),
   and its record is the only sleep state. TRL always asks for level 2; with ``sleep_level=1`` the
   ``LLM``'s ``sleep`` is wrapped on the instance to sleep at level 1 instead.
@@ -60,7 +60,7 @@ def use_weightsync(
     max_lora_rank: int | None = None,
     verify: bool = False,
 ) -> Syncer:
-    """Route ``trainer``'s vLLM weight sync through a weightsync :class:`~weightsync.Syncer`.
+    """Route ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
     Call it once, after creating the trainer and before ``trainer.train()``.
 
@@ -81,8 +81,8 @@ def use_weightsync(
             wakes the KV cache only after the sync.
 
     Returns:
-        The :class:`~weightsync.Syncer` now used by every sync (``.engine`` is the
-        :class:`~weightsync.engines.VLLMEngine`; ``.engine.lora_request`` the served adapter).
+        The `Syncer` now used by every sync (``.engine`` is the
+        `VLLMEngine`; ``.engine.lora_request`` the served adapter).
 
     Raises:
         ValueError: the trainer does not use vLLM in colocate mode, its parameters are sharded,

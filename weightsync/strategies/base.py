@@ -3,9 +3,9 @@
 A sync is a plan, then its execution. ``plan(model, engine)`` decides everything that will be
 written and checks it against the engine (engine awake, PEFT set-up allowed, names, shapes,
 tied names, the adapter as the engine will load it); every refusal is raised there, so a refused
-sync has written nothing. :func:`execute` then writes exactly the plan, the same way for every
+sync has written nothing. `execute` then writes exactly the plan, the same way for every
 strategy: strategies differ only in what they plan. What a framework must remember between
-syncs (has the base been pushed?) lives in :class:`weightsync.Syncer`, not here.
+syncs (has the base been pushed?) lives in `weightsync.Syncer`, not here.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class SyncReport:
 
     Attributes:
         strategy: the strategy's name (with its mode, e.g. ``FullSync(lora=merge)``).
-        reason: why it was chosen (from :func:`weightsync.policy.choose`, or its default).
+        reason: why it was chosen (from `weightsync.policy.choose`, or its default).
         plan: the plan that was executed (``print(report.plan)`` explains it).
         tensors: tensors written into the engine (adapter tensors included).
         bytes: bytes written into the engine, in the dtype they were sent in.
@@ -80,7 +80,7 @@ class Strategy(ABC):
 
     Subclasses set ``name`` and ``restores_base`` (whether a completed sync leaves every base
     weight of the engine equal to the trainer's: only such a strategy may follow a level-2
-    sleep) and implement :meth:`_plan`.
+    sleep) and implement `_plan`.
     """
 
     name: ClassVar[str]
@@ -111,17 +111,17 @@ class Strategy(ABC):
         return self._plan(model, engine)
 
     def sync(self, model: nn.Module, engine: Engine | Any, *, verify: bool = False) -> SyncReport:
-        """Make ``engine`` serve what ``model`` computes: :meth:`plan`, then :func:`execute`.
+        """Make ``engine`` serve what ``model`` computes: `plan`, then `execute`.
 
         Args:
             model: a transformers causal LM or a ``peft.PeftModel``; never modified.
-            engine: an :class:`~weightsync.engines.Engine`, or a raw engine object a registered
+            engine: an `Engine`, or a raw engine object a registered
                 adapter accepts (a ``vllm.LLM``).
             verify: afterwards compare the engine's logprobs on a canary prompt with the
-                model's and raise :class:`~weightsync.errors.VerificationError` on mismatch.
+                model's and raise `VerificationError` on mismatch.
 
         Raises:
-            WeightSyncError: whatever :meth:`plan` raises, before anything is written.
+            WeightSyncError: whatever `plan` raises, before anything is written.
             Exception: whatever the engine raises while writing (the base is then unsynced).
         """
         engine = adapt(engine)
@@ -142,7 +142,7 @@ class Strategy(ABC):
 
 
 def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -> SyncReport:
-    """Write ``plan`` into ``engine``, exactly and in its order (see :class:`~weightsync.plan.Plan`).
+    """Write ``plan`` into ``engine``, exactly and in its order (see `Plan`).
 
     The sleep guard is checked again, since the engine may have slept since the plan was made.
     If a write fails part-way the error propagates and the engine holds a mix of old and new
@@ -287,7 +287,7 @@ def write_snapshot(
 
 
 def check_names(tensors: list[Tensor], engine: Engine, *, complete: bool) -> None:
-    """Raise :class:`WeightMismatchError` unless ``tensors`` fit what ``engine`` loads.
+    """Raise `WeightMismatchError` unless ``tensors`` fit what ``engine`` loads.
 
     Args:
         complete: the stream claims to be every weight of the engine (a full sync), so a weight

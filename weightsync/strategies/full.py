@@ -44,7 +44,7 @@ class FullSync(Strategy):
             into it -- frozen embeddings, frozen layers, a vision tower, the base of a merged
             LoRA's untargeted layers. Never after a level-2 sleep, a failed sync or a
             checkpoint reload, which empty the engine's record. See
-            :func:`~weightsync.plan.change_key` and :func:`~weightsync.strategies.base.unchanged`.
+            `change_key` and `unchanged`.
         reason: why this strategy was chosen, for logs.
     """
 

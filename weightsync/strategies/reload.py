@@ -128,7 +128,7 @@ def _require_untouched_base(model: nn.Module, engine: Engine) -> None:
 
 
 def _sampled_differences(tensors: list[Tensor], engine: Engine) -> list[str]:
-    """Compare the first row of up to :data:`SAMPLED_TENSORS` base tensors with the checkpoint.
+    """Compare the first row of up to `SAMPLED_TENSORS` base tensors with the checkpoint.
 
     Exact, in the less precise of the two dtypes (a bf16 trainer loaded from a float32
     checkpoint holds the checkpoint rounded once). Tensors the trainer holds in another dtype are
