@@ -1,0 +1,396 @@
+"""weightsync's vLLM weight-transfer backend against real ``vllm serve`` processes.
+
+The servers run ``--weight-transfer-config '{"backend": "weightsync"}'`` (registered in every
+worker by importing weightsync's worker extension) and are driven through vLLM's own
+``HTTPVLLMWeightSyncClient``: ``VLLMServerEngine(url, transport=WeightTransferTransport(...))``,
+bytes as files or over gloo. One server per tensor-parallel size, started once per module on
+127.0.0.1 and free ports, stopped by process group even when a test fails; whatever they leave in
+``/dev/shm`` is removed (only what their processes mapped). Every sync is checked to change what
+the server generates, then to make it generate exactly the trainer's greedy tokens (float32
+logprobs within 1e-3).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from weightsync import FullSync
+from weightsync import testing as T
+from weightsync.engines import VLLMMultiprocEngine
+from weightsync.engines.vllm.server import WORKER_EXTENSION, EngineBrokenError, VLLMServerEngine
+from weightsync.engines.vllm.weight_transfer import (
+    LLMWeightSyncClient,
+    VLLMBackendTransport,
+    WeightTransferTransport,
+)
+
+ARCH = "qwen2"  # tied embeddings: both names of the shared tensor must reach the engine
+ATOL = 1e-3
+LORA = {
+    "r": 8,
+    "lora_alpha": 16,
+    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+}
+START_TIMEOUT_S = 420
+TPS = (1, 2)
+INNERS = ("files", "gloo")
+SHM_PREFIXES = ("weightsync-", "vllm_dist_", "psm_")
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shm_in_use(pid: int) -> set[str]:
+    """The /dev/shm files a process tree maps or holds open."""
+    found: set[str] = set()
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return found
+    for p in procs:
+        try:
+            paths = [m.path for m in p.memory_maps()] + [f.path for f in p.open_files()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found.update(x for x in paths if x.startswith("/dev/shm/"))
+    return found
+
+
+class Server:
+    """A ``vllm serve`` process group of our own running the "weightsync" (or another)
+    weight-transfer backend, stopped by its PID."""
+
+    def __init__(self, checkpoint: str, tp: int, log: Path, backend: str = "weightsync") -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server always runs its core apart
+        if tp == 2:
+            env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        if backend == "ipc":
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled over HTTP
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", checkpoint, "--host", "127.0.0.1", "--port", str(self.port),
+            "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
+            "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp),
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--weight-transfer-config", f'{{"backend": "{backend}"}}',
+        ]  # fmt: skip
+        self.log = log
+        self.shm: set[str] = set()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait(self) -> None:
+        import requests
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.shm = _shm_in_use(self.proc.pid)
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vllm serve not up after {START_TIMEOUT_S}s: {self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-30:])
+
+    def stop(self) -> list[str]:
+        """Stop the process group; remove and return the /dev/shm files it left."""
+        if self.proc.poll() is None:
+            self.shm |= _shm_in_use(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        left = sorted(p for p in self.shm if os.path.exists(p))
+        for p in left:
+            os.unlink(p)
+        return left
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return T.save_checkpoint(T.tiny_model(ARCH), tmp_path_factory.mktemp("served") / "ck")
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint, tmp_path_factory):
+    """One server per TP size, started together (start-up is the slow part)."""
+    logs = tmp_path_factory.mktemp("logs")
+    started: dict[int, Server] = {}
+    try:
+        for tp in TPS:
+            started[tp] = Server(checkpoint, tp, logs / f"tp{tp}.log")
+        for s in started.values():
+            s.wait()
+        yield started
+    finally:
+        leaked = {tp: s.stop() for tp, s in started.items()}
+    # vLLM's TP>1 CPU communicator leaves its vllm_dist_* segments after SIGTERM (removed above).
+    ours = [p for left in leaked.values() for p in left if "/weightsync-" in p]
+    assert not ours, f"weightsync left /dev/shm entries: {ours}"
+    if any(leaked.values()):
+        print(f"\nremoved /dev/shm entries the servers left: {leaked}")
+
+
+@pytest.fixture(scope="module")
+def engines(servers):
+    """One engine per (TP, inner transport), made once: a gloo engine keeps its group."""
+    made: dict[tuple[int, str], VLLMServerEngine] = {}
+
+    def engine(tp: int, inner: str) -> VLLMServerEngine:
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+        if (tp, inner) not in made:
+            url = servers[tp].url
+            transport = WeightTransferTransport(HTTPVLLMWeightSyncClient(url), inner)
+            made[tp, inner] = VLLMServerEngine(url, transport=transport)
+        return made[tp, inner]
+
+    try:
+        yield engine
+    finally:
+        for e in made.values():
+            e.close()
+    folders = [e._adapter_root for e in made.values()]
+    folders += [e.transport.root for e in made.values() if e.transport.root is not None]
+    assert not [f for f in folders if f.exists()], f"folders left behind: {folders}"
+
+
+def full_model(seed):
+    model = T.tiny_model(ARCH)
+    T.perturb(model, seed=seed)
+    return model
+
+
+def lora_model(seed):
+    model = get_peft_model(T.tiny_model(ARCH), LoraConfig(**LORA))
+    T.perturb(model, seed=seed, scale=0.3)
+    return model
+
+
+def sync_and_check(strategy, model, engine):
+    stale = T.compare(model, engine)
+    assert stale["engine"] != stale["trainer"], (
+        "the server already matched the trainer: the test proves nothing"
+    )
+    report = strategy.sync(model, engine)
+    T.assert_matches(model, engine, atol=ATOL)
+    return report
+
+
+def seed_of(tp, inner, base):
+    return base + tp + 3 * INNERS.index(inner)
+
+
+PARAMS = [pytest.param(tp, inner, id=f"tp{tp}-{inner}") for tp in TPS for inner in INNERS]
+# Merging happens on the trainer side: at TP=2 it would only repeat the dense test's transfer.
+TP1_PARAMS = [p for p in PARAMS if p.values[0] == 1]
+
+
+def test_registered_without_importing_vllm():
+    """Importing weightsync leaves vLLM alone; the backend is registered once vLLM's factory
+    is imported (as in every worker), and registering again is harmless."""
+    code = (
+        "import sys, weightsync\n"
+        "assert 'vllm' not in sys.modules, 'importing weightsync imported vLLM'\n"
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
+        "from weightsync.engines.vllm import weight_transfer as wt\n"
+        "wt.register(); wt.register()\n"
+        "assert F._registry['weightsync']() is wt.WeightsyncTransferEngine\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(("tp", "inner"), PARAMS)
+def test_full_sync_dense(engines, tp, inner):
+    engine = engines(tp, inner)
+    report = sync_and_check(FullSync(), full_model(seed=seed_of(tp, inner, 10)), engine)
+    assert report.engine_calls == 1
+
+
+@pytest.mark.parametrize(("tp", "inner"), TP1_PARAMS)
+def test_lora_merged(engines, tp, inner):
+    engine = engines(tp, inner)
+    sync_and_check(FullSync(lora="merge"), lora_model(seed=seed_of(tp, inner, 20)), engine)
+
+
+def one_per_bucket(model, engine):
+    """The model's weights in checkpoint (module) order, one tensor a bucket."""
+    state = model.state_dict()
+    return [[(name, state[name].detach())] for name in state if name in engine.expected_weights]
+
+
+def _bad_stream(model, engine, kind):
+    """The model's buckets, failing part-way through layer 0: the trainer raises, or a tensor
+    the workers reject (a name their model lacks) reaches them mid-reload."""
+    stream = one_per_bucket(model, engine)
+    yield from stream[:6]
+    if kind == "trainer":
+        raise RuntimeError("injected: the trainer failed producing the next bucket")
+    yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
+
+
+@pytest.mark.parametrize("kind", ["trainer", "engine"])
+@pytest.mark.parametrize(("tp", "inner"), PARAMS)
+def test_failure_mid_update_leaves_a_serving_server(engines, servers, tp, inner, kind):
+    engine = engines(tp, inner)
+    FullSync().sync(full_model(seed=40), engine)
+    new = full_model(seed=seed_of(tp, inner, 41))
+    with pytest.raises(RuntimeError) as failed:
+        engine.load_weights(_bad_stream(new, engine, kind))
+    assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed
+    assert ("injected" if kind == "trainer" else "not_a_weight") in str(failed.value)
+    assert servers[tp].alive(), servers[tp].tail()
+    engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
+    assert engine.base_discarded, "a failed write must mark the base unsynced"
+    sync_and_check(FullSync(), new, engine)  # the next full sync repairs it
+    assert not engine.base_discarded
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_prefix_cache_is_not_stale_after_a_write(engines, inner):
+    """``finish_weight_update`` leaves KV cached under the old weights; the engine's write
+    resets the cache, so a long prompt cached before the sync is answered by the new weights."""
+    engine = engines(1, inner)
+    long_prompt = [[(7 * i + 3) % 1000 + 1 for i in range(200)]]
+    FullSync().sync(full_model(seed=60), engine)
+    engine.greedy_batch(long_prompt, 4)  # now in the prefix cache
+
+    # The weight-transfer calls alone, as a framework calling vLLM's API directly makes them:
+    # the cached prefix keeps answering from the old weights.
+    raw = full_model(seed=61)
+    engine.transport.send(engine._rpc, one_per_bucket(raw, engine))
+    stale = T.compare(raw, engine, prompts=long_prompt)
+    assert stale["engine"] != stale["trainer"], "no stale prefix cache: the check proves nothing"
+    engine.control.reset_prefix_cache()
+    assert T.compare(raw, engine, prompts=long_prompt)["engine"] == stale["trainer"]
+
+    new = full_model(seed=62 + INNERS.index(inner))
+    engine.greedy_batch(long_prompt, 4)
+    FullSync().sync(new, engine)
+    result = T.compare(new, engine, prompts=long_prompt)
+    assert result["engine"] == result["trainer"], "the write left a stale prefix cache"
+
+
+def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
+    """A trainer that died between start and finish left vLLM's update open (the layers it began
+    wait on the meta device: no request may reach the server); the next sync closes it and
+    writes. (Not paused here: vLLM reports a paused server as sleeping, which the engine then
+    refuses to write into as asleep.)"""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    engine = engines(1, "files")
+    model = full_model(seed=70)
+    stale = T.compare(model, engine)
+    assert stale["engine"] != stale["trainer"]
+    HTTPVLLMWeightSyncClient(servers[1].url).start_weight_update()  # ... and the trainer died
+    FullSync().sync(model, engine)
+    T.assert_matches(model, engine, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def multiproc_llm(checkpoint):
+    """A ``vllm.LLM`` with vLLM's default multiprocess engine core, running the backend."""
+    import vllm.envs
+    from vllm import LLM
+
+    env = pytest.MonkeyPatch()
+    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the default, which .ci/env turns off
+    vllm.envs.disable_envs_cache()
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    llm = None
+    try:
+        llm = LLM(
+            model=checkpoint,
+            worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config={"backend": "weightsync"},
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=64 << 20,
+            seed=0,
+        )
+        yield llm
+    finally:
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        shm = set().union(set(), *(_shm_in_use(p.pid) for p in started))
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        for p in started:
+            if p.is_running():
+                os.kill(p.pid, signal.SIGKILL)
+        env.undo()
+        vllm.envs.disable_envs_cache()
+    left = sorted(p for p in shm if os.path.exists(p))
+    for p in left:
+        os.unlink(p)
+    if left:
+        print(f"\nremoved /dev/shm entries the LLM's processes left: {left}")
+
+
+def test_multiprocess_llm_through_its_own_methods(multiproc_llm):
+    """An ``LLM``'s four weight-transfer methods as the client (its engine core and worker are
+    forked from this process, which imported weightsync before vLLM: registration follows)."""
+    transport = WeightTransferTransport(LLMWeightSyncClient(multiproc_llm), "files")
+    engine = VLLMMultiprocEngine(multiproc_llm, transport=transport)
+    try:
+        sync_and_check(FullSync(), full_model(seed=80), engine)
+        sync_and_check(FullSync(lora="merge"), lora_model(seed=81), engine)
+        with pytest.raises(RuntimeError, match="not_a_weight"):
+            engine.load_weights(_bad_stream(full_model(seed=82), engine, "engine"))
+        sync_and_check(FullSync(), full_model(seed=83), engine)
+    finally:
+        engine.close()
+    assert not transport.root.exists() and not engine._adapter_root.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's nccl/ipc backends need CUDA")
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_vllm_gpu_backends(checkpoint, tmp_path, backend):
+    """vLLM's own backends fed weightsync's buckets (never run on the CPU machines)."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    server = Server(checkpoint, 1, tmp_path / "gpu.log", backend=backend)
+    engine = None
+    try:
+        server.wait()
+        client = HTTPVLLMWeightSyncClient(server.url)
+        engine = VLLMServerEngine(server.url, transport=VLLMBackendTransport(client, backend))
+        sync_and_check(FullSync(), full_model(seed=90), engine)
+        sync_and_check(FullSync(lora="merge"), lora_model(seed=91), engine)
+    finally:
+        if engine is not None:
+            engine.close()
+        server.stop()
