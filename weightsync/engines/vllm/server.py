@@ -15,10 +15,17 @@ engine is left paused -- never resume a broken engine -- and :class:`EngineBroke
 
 The engine's facts (dtype, expected weights, tied names, LoRA rank limit and modules) come from
 the worker extension, read from the model vLLM built, not from the caller.
+
+A *stock* server (no worker extension) is reached too, with ``transport="tmpfs"`` only: its facts
+come from its dev-mode ``/server_info`` and the model folder it serves, and bytes go through
+vLLM's own ``reload_weights(weights_path=...)``. Every byte is written to tmpfs before the server
+is touched; but if vLLM's reload then fails, nothing can restore its unfinished layers, so the
+server is left paused (:class:`EngineBrokenError`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -32,7 +39,9 @@ import torch
 from ...errors import AdapterError, WeightSyncError
 from ...plan import Adapter, Bucket
 from ..base import Engine, register
-from .transport import Transport, _tmpfs, make_transport
+from . import checkpoint as ckpt
+from .transport import TmpfsTransport, Transport, _tmpfs, make_transport
+from .worker import shared_parameter_names, tied_weights
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
@@ -128,6 +137,10 @@ class HTTPControl(Control):
             return r.json()
         except ValueError:
             return r.text  # the LoRA routes answer in plain text
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's ``VllmConfig`` as JSON (dev mode)."""
+        return self._call("GET", "/server_info", params={"config_format": "json"})["vllm_config"]
 
     def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
         body = {"method": method, "kwargs": kwargs or {}}
@@ -285,15 +298,9 @@ class RemoteVLLMEngine(Engine):
     ) -> None:
         super().__init__()
         self.control = control
-        try:
-            facts = control.rpc("weightsync_facts")
-        except Exception as e:
-            raise RuntimeError(
-                "the engine's workers do not answer weightsync_facts: start it with the worker "
-                f"extension (--worker-extension-cls {WORKER_EXTENSION}, or "
-                f"LLM(worker_extension_cls=...)) and, for a server, VLLM_SERVER_DEV_MODE=1: {e}"
-            ) from e
-        self.facts: dict[str, Any] = facts[0]
+        self.facts: dict[str, Any] = self._read_facts(transport)
+        #: No worker extension: writes go through vLLM's own ``reload_weights`` (tmpfs only).
+        self.stock = bool(self.facts.get("stock"))
         self._expected = {k: tuple(v) for k, v in self.facts["weights"].items()}
         self.transport = make_transport(transport)
         self.transport.connect(self._rpc, int(self.facts["world_size"]))
@@ -309,6 +316,17 @@ class RemoteVLLMEngine(Engine):
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._version = 0
+
+    def _read_facts(self, transport: str | Transport) -> dict[str, Any]:
+        """What the engine loads and serves, from the worker extension."""
+        try:
+            return self.control.rpc("weightsync_facts")[0]
+        except Exception as e:
+            raise RuntimeError(
+                "the engine's workers do not answer weightsync_facts: start it with the worker "
+                f"extension (--worker-extension-cls {WORKER_EXTENSION}, or "
+                f"LLM(worker_extension_cls=...)) and, for a server, VLLM_SERVER_DEV_MODE=1: {e}"
+            ) from e
 
     def _rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
         """``control.rpc``, raising the errors the workers return (see ``worker.py``)."""
@@ -340,6 +358,13 @@ class RemoteVLLMEngine(Engine):
     def serves_lora(self) -> bool:
         return self.facts["lora"] is not None
 
+    def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read from the engine's checkpoint folder when this host sees it at the same path
+        (same host or a shared filesystem); ``{}`` otherwise."""
+        if not os.path.isdir(self.facts["checkpoint"]):
+            return {}
+        return ckpt.heads(_weight_files(self.facts["checkpoint"]), names)
+
     @property
     def served_adapter(self) -> str | None:
         """The name requests must use as ``model`` to get the synced adapter (None: none)."""
@@ -354,8 +379,17 @@ class RemoteVLLMEngine(Engine):
         try:
             write()
         except BaseException as error:
+            if self.stock and base:
+                self._base_discarded = True
+                raise EngineBrokenError(
+                    f"{what} failed in vLLM's own reload_weights ({error}); this server has no "
+                    "weightsync worker extension, so its unfinished layers cannot be restored "
+                    "and it is left paused. Restart it, and start it with --worker-extension-cls "
+                    f"{WORKER_EXTENSION} to have failed writes recovered."
+                ) from error
             try:
-                self.control.rpc("weightsync_abandon")  # idempotent; the workers did it already
+                if not self.stock:  # idempotent; the workers did it already
+                    self.control.rpc("weightsync_abandon")
                 self.control.reset_prefix_cache()
             except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
                 raise EngineBrokenError(
@@ -370,17 +404,65 @@ class RemoteVLLMEngine(Engine):
         self.control.resume()
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
+        if self.stock:
+            assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
+            # Every byte is on tmpfs before the server is touched, each tied tensor under all
+            # its names: vLLM's reload restores lm_head apart from embed_tokens.
+            folder = self.transport.stage(buckets, aliases=False)
+            try:
+                self._forget_adapter()
+                self._write("load_weights", lambda: self._stock_reload(folder))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            return 1
         self._forget_adapter()
         self._write("load_weights", lambda: self.transport.send(self._rpc, buckets))
         return 1
 
     def reload_checkpoint(self, path: str | None = None) -> int:
+        if self.stock:
+            folder = self._stage_folder(path or self.facts["checkpoint"])
+            try:
+                self._forget_adapter()
+                self._write("reload_checkpoint", lambda: self._stock_reload(folder))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            return 1
         self._forget_adapter()
         self._write(
             "reload_checkpoint",
             lambda: self._rpc("weightsync_reload_checkpoint", {"path": path or ""}),
         )
         return 1
+
+    def _stock_reload(self, folder: Path) -> None:
+        """vLLM's own ``reload_weights`` of ``folder`` in every worker."""
+        self._rpc("reload_weights", {"weights_path": str(folder), "is_checkpoint_format": True})
+
+    def _stage_folder(self, source: str) -> Path:
+        """A tmpfs folder that vLLM's ``reload_weights`` reads as the weights of ``source``
+        with every tied tensor under all its names: links to the files vLLM's loader picks
+        from ``source``, plus one file with the names ``source`` stores once (a tied checkpoint
+        reloaded as it is leaves lm_head stale)."""
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        assert isinstance(self.transport, TmpfsTransport)
+        files = _weight_files(source)
+        folder = self.transport.stage([])
+        for f in files:
+            (folder / os.path.basename(f)).symlink_to(os.path.abspath(f))
+        where = {name: f for f in files for name in ckpt.shapes([f])}
+        extra: dict[str, torch.Tensor] = {}
+        for group in self.shared_weights:
+            stored = [n for n in group if n in where]
+            if stored:
+                with safe_open(where[stored[0]], framework="pt") as h:
+                    tensor = h.get_tensor(stored[0])
+                extra.update({n: tensor.clone() for n in group if n not in where})
+        if extra:
+            save_file(extra, str(folder / "weightsync-tied.safetensors"))
+        return folder
 
     def check_adapter(self, adapter: Adapter) -> None:
         lora = self.facts["lora"]
@@ -485,11 +567,95 @@ class VLLMServerEngine(RemoteVLLMEngine):
     """
 
     name = "vllm-server"
+    control: HTTPControl
 
     def __init__(
         self, base_url: str, *, transport: str | Transport = "tmpfs", **kwargs: Any
     ) -> None:
         super().__init__(HTTPControl(base_url), transport=transport, **kwargs)
+
+    def _read_facts(self, transport: str | Transport) -> dict[str, Any]:
+        """From the worker extension if the server loaded it, else from the server's config
+        and the model folder it serves (a stock server: tmpfs only)."""
+        try:
+            return self.control.rpc("weightsync_facts")[0]
+        except RuntimeError as e:
+            if "weightsync_facts" not in str(e):
+                raise  # not a missing extension (no dev mode, server down): say so as it is
+        if not (transport == "tmpfs" or isinstance(transport, TmpfsTransport)):
+            raise ValueError(
+                f"transport={transport!r} needs weightsync's worker extension in the server, "
+                f"which this one did not load: start it with --worker-extension-cls "
+                f"{WORKER_EXTENSION}, or use transport='tmpfs' (same host or shared filesystem)"
+            )
+        return stock_facts(self.control)
+
+    def describe(self) -> str:
+        how = "stock server, vLLM's reload_weights" if self.stock else "worker extension"
+        return f"{super().describe()} at {self.control.base_url} ({how})"
+
+
+def _weight_files(folder: str) -> list[str]:
+    from vllm.config import LoadConfig
+
+    return ckpt.weight_files(folder, LoadConfig())
+
+
+def stock_facts(control: HTTPControl) -> dict[str, Any]:
+    """The facts of a server without the worker extension: dtype, LoRA limit and world size
+    from its ``/server_info`` (dev mode); names and shapes from the model folder it serves,
+    with the files vLLM's loader picks; tied names from the transformers model its config
+    builds (on the meta device, no memory).
+
+    Refused: an MoE model on vLLM-CPU (its reload skips the expert re-pack, which only the
+    worker extension redoes: wrong outputs after any reload)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.config import LoadConfig
+
+    info = control.server_info()
+    model_config, load = info["model_config"], info["load_config"]
+    folder = ckpt.local_folder(model_config["model"], model_config.get("revision"))
+    files = ckpt.weight_files(
+        folder, LoadConfig(load_format=load["load_format"], ignore_patterns=load["ignore_patterns"])
+    )
+    shapes = {name: list(shape) for name, shape in ckpt.shapes(files).items()}
+    if info["device_config"]["device"] == "cpu" and any(".experts." in n for n in shapes):
+        raise ValueError(
+            "this MoE model runs on vLLM-CPU, whose reload_weights skips the experts' re-pack "
+            "(the server would compute wrong outputs after a sync); start the server with "
+            f"--worker-extension-cls {WORKER_EXTENSION}, which redoes it"
+        )
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=model_config["trust_remote_code"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=model_config["trust_remote_code"]
+        )
+    shared, twins = tied_weights(shared_parameter_names(model), shapes)
+    lora = None
+    if info["lora_config"] is not None:
+        # vLLM applies LoRA to its linear layers; the transformers model names the same ones.
+        # vLLM's own adapter validation has the last word when the adapter is loaded.
+        head = model.get_output_embeddings()
+        lora = {
+            "max_lora_rank": info["lora_config"]["max_lora_rank"],
+            "modules": sorted(
+                {
+                    name.rsplit(".", 1)[-1]
+                    for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and m is not head
+                }
+            ),
+        }
+    return {
+        "checkpoint": folder,
+        "dtype": str(model_config["dtype"]).removeprefix("torch."),
+        "weights": shapes,
+        "shared": shared,
+        "twins": twins,
+        "lora": lora,
+        "world_size": info["parallel_config"]["world_size"],
+        "stock": True,
+    }
 
 
 @register

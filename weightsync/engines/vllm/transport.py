@@ -103,6 +103,22 @@ class TmpfsTransport(Transport):
             self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True)
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        folder = self.stage(buckets)
+        try:
+            rpc("weightsync_load_files", {"folder": str(folder)})
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def stage(self, buckets: Iterable[Bucket], *, aliases: bool = True) -> Path:
+        """Write every bucket to a new folder under :attr:`root` and return it; the caller
+        removes it. Nothing reaches the engine here, so a failure (the trainer's, a full tmpfs)
+        leaves it untouched.
+
+        Args:
+            aliases: store a tensor sent under several names (tied embeddings) once, with the
+                other names in the file's metadata, which only the worker extension reads.
+                False writes a copy under each name, for vLLM's own ``reload_weights``.
+        """
         from safetensors.torch import save_file
 
         self._updates += 1
@@ -110,15 +126,20 @@ class TmpfsTransport(Transport):
         folder.mkdir(parents=True)
         try:
             for i, bucket in enumerate(buckets):
-                unique, aliases = _dedup(bucket)
+                unique, names = _dedup(bucket)
+                if not aliases:
+                    for first, others in names.items():
+                        unique.update({other: unique[first].clone() for other in others})
+                    names = {}
                 save_file(
                     {k: v.contiguous() for k, v in unique.items()},
                     str(folder / f"bucket-{i:05d}.safetensors"),
-                    metadata={ALIASES_KEY: json.dumps(aliases)},
+                    metadata={ALIASES_KEY: json.dumps(names)},
                 )
-            rpc("weightsync_load_files", {"folder": str(folder)})
-        finally:
+        except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder
 
     def close(self) -> None:
         if self._owned:

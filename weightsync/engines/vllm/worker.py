@@ -74,6 +74,27 @@ def shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
     return [list(names.values()) for names in by_param.values() if len(names) > 1]
 
 
+def tied_weights(
+    groups: list[list[str]], shapes: dict[str, list[int]]
+) -> tuple[list[list[str]], dict[str, list[str]]]:
+    """Fold tied-name ``groups`` into a checkpoint's ``shapes`` (name -> shape, updated in place):
+    a name of a group the checkpoint lacks (it stores a tied tensor once) gets the shape of the
+    name it has. Returns the groups the checkpoint knows and its twins (stored name -> the
+    group's other names), the names a load must also send the stored tensor under."""
+    twins: dict[str, list[str]] = {}
+    shared = []
+    for names in groups:
+        known = [n for n in names if n in shapes]
+        if not known:
+            continue
+        for name in names:
+            if name not in shapes:
+                shapes[name] = shapes[known[0]]
+                twins.setdefault(known[0], []).append(name)
+        shared.append(names)
+    return shared, twins
+
+
 def _cpu_experts(module: torch.nn.Module) -> Any:
     kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
     return getattr(kernel, "fused_experts", None)
@@ -255,17 +276,7 @@ class WeightsyncWorker:
         model = self.model_runner.get_model()
         checkpoint = config.model_config.model
         shapes = checkpoint_shapes(checkpoint)
-        twins: dict[str, list[str]] = {}
-        shared = []
-        for names in shared_parameter_names(model):
-            known = [n for n in names if n in shapes]
-            if not known:
-                continue
-            for name in names:
-                if name not in shapes:
-                    shapes[name] = shapes[known[0]]
-                    twins.setdefault(known[0], []).append(name)
-            shared.append(names)
+        shared, twins = tied_weights(shared_parameter_names(model), shapes)
         lora = None
         if config.lora_config is not None:
             lora = {
@@ -347,3 +358,6 @@ class WeightsyncWorker:
 
 def _error(e: BaseException) -> dict[str, str]:
     return {"weightsync_error": f"{type(e).__name__}: {e}"}
+
+
+from . import weight_transfer  # noqa: E402, F401 (registers the "weightsync" weight-transfer backend)
