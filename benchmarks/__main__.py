@@ -4,6 +4,7 @@
     bash .ci/env python -m benchmarks --model tiny          # a fast look
     bash .ci/env python -m benchmarks --model ~/my-model    # your own HF model folder
     bash .ci/env python -m benchmarks --rows full_dense,adapter_r16,vllm_reload --repeats 3
+    bash .ci/env python -m benchmarks --no-server           # without the vllm serve rows
 
 Writes results.json, results.md and results.png into --out (default benchmarks/results/<model>/)
 and prints the table. See docs/benchmarks.md for how to read it.
@@ -26,7 +27,8 @@ SECOND_SIZE = {"tiny": "tiny4", "0.5b": "1.5b"}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    from .suite import ROW_KEYS
+    from .models import UNTIED
+    from .suite import ROW_KEYS, ROWS, SERVER_ROWS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -48,7 +50,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-profile", action="store_true", help="skip the where-do-the-seconds-go profile"
     )
+    p.add_argument(
+        "--untied-model",
+        default=None,
+        help="untied twin for the like-for-like rows (default: <model>-untied for the built-in "
+        "shapes tiny and 0.5b, none otherwise); 'none' skips those rows",
+    )
+    p.add_argument(
+        "--no-server",
+        action="store_true",
+        help="skip the out-of-process rows (they start two vllm serve processes: ~1-2 min)",
+    )
     args = p.parse_args(argv)
+    chosen = args.rows != "all"
     args.rows = (
         ROW_KEYS if args.rows == "all" else [r.strip() for r in args.rows.split(",") if r.strip()]
     )
@@ -57,6 +71,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown rows {unknown}; choose from {ROW_KEYS}")
     if args.memory_model is None:
         args.memory_model = SECOND_SIZE.get(args.model, "none")
+    if args.untied_model is None:
+        args.untied_model = f"{args.model}-untied" if f"{args.model}-untied" in UNTIED else "none"
+    untied_rows = [r.key for r in ROWS if r.spec == "untied"]
+    if args.untied_model == "none":
+        if chosen and set(args.rows) & set(untied_rows):
+            p.error(f"rows {untied_rows} need --untied-model")
+        args.rows = [r for r in args.rows if r not in untied_rows]
+    if args.no_server:
+        args.rows = [r for r in args.rows if r not in SERVER_ROWS]
     return args
 
 
@@ -73,6 +96,7 @@ def run(
 
     log = (lambda *a: None) if quiet else (lambda msg: tqdm.write(msg))
     spec = resolve(args.model, log=log)
+    untied = None if args.untied_model == "none" else resolve(args.untied_model, log=log)
     out = args.out or Path(__file__).parent / "results" / spec.name
     out.mkdir(parents=True, exist_ok=True)
     rows = [r for r in suite.ROWS if r.key in args.rows]
@@ -90,6 +114,9 @@ def run(
             "date": dt.date.today().isoformat(),
             "model": spec.name,
             "checkpoint": spec.checkpoint,
+            "untied_model": untied.name if untied else None,
+            "untied_checkpoint": untied.checkpoint if untied else None,
+            "untied_params": untied.params if untied else None,
             "params": spec.params,
             "dtype": spec.dtype_name,
             "model_bytes": spec.params * torch.empty((), dtype=spec.dtype).element_size(),
@@ -106,15 +133,22 @@ def run(
         "rows": [],
     }
 
-    bench = suite.Bench(spec, workdir=out, log=log)
-    for row in rows:
-        bar.set_description(row.label[:40])
-        result["rows"].append(bench.run_row(row, args.repeats, tick=bar.update))
+    bench = suite.Bench(spec, workdir=out, log=log, untied=untied)
+    try:
+        for i, row in enumerate(rows):
+            bar.set_description(row.label[:40])
+            result["rows"].append(bench.run_row(row, args.repeats, tick=bar.update))
+            bench.release(rows[i + 1 :])
+    finally:
+        bench.stop_servers()  # the server rows come last; nothing of theirs outlives them
     report.add_ratios(result["rows"])
 
     if not args.no_profile and any(r.engine == "plain" for r in rows):
         bar.set_description("profile")
         result["profile"] = bench.profile()
+    if not args.no_profile and any(r.key == "adapter_r16" for r in rows):
+        bar.set_description("profile AdapterSync r16")
+        result["profile_adapter"] = bench.profile_adapter()
 
     if drift_cycles:
         # The drift loop reuses the plain engine when it runs on the same bf16 model.

@@ -1,6 +1,8 @@
 """The approaches weightsync is measured against. They live here only: none is a strategy.
 
-Each is named after the practice it imitates and returns ``(bytes_sent, engine_calls)``.
+Each is named after the practice it imitates and returns ``(bytes_sent, engine_calls, None,
+phases)``: the phases of benchmarks/phases.py, timed around the trainer-side work and the
+engine calls.
 
 - :func:`per_module_rpc` -- TRL / OpenRLHF: one engine call per parameter. Their call is
   ``model.load_weights([(name, tensor)])`` straight into the engine's model, which fails on the
@@ -25,6 +27,7 @@ Each is named after the practice it imitates and returns ``(bytes_sent, engine_c
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,6 +35,8 @@ import torch
 from torch import nn
 
 from weightsync.stream import base_tensors
+
+Row = tuple[int, int, None, dict[str, float]]  # bytes sent, engine calls, no report, phases
 
 _QUIET = [
     "vllm.model_executor.model_loader.reload.layerwise",  # "Failed to load weights" per module
@@ -81,9 +86,23 @@ def trainer_pairs(model: nn.Module, engine) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def _phases(start: float, trainer_side: float) -> dict[str, float]:
+    total = time.perf_counter() - start
+    return {
+        "total": total,
+        "weightsync": trainer_side,  # the trainer-side work of the practice imitated
+        "plan": 0.0,
+        "produce": trainer_side,
+        "serialize": 0.0,
+        "engine": total - trainer_side,
+    }
+
+
 @torch.no_grad()
-def per_module_rpc(model: nn.Module, engine, packed: dict[str, str]) -> tuple[int, int]:
+def per_module_rpc(model: nn.Module, engine, packed: dict[str, str]) -> Row:
+    start = time.perf_counter()
     groups = module_groups(trainer_pairs(model, engine), packed)
+    trainer_side = time.perf_counter() - start
     sent = 0
     with _quiet_partial_reload():
         for group in groups:
@@ -92,7 +111,7 @@ def per_module_rpc(model: nn.Module, engine, packed: dict[str, str]) -> tuple[in
             )
             sent += sum(t.numel() * t.element_size() for _, t in group)
     engine.llm.reset_prefix_cache()
-    return sent, len(groups)
+    return sent, len(groups), None, _phases(start, trainer_side)
 
 
 def _inplace_pairs(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,17 +123,23 @@ def _inplace_pairs(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def inplace_merge_push(peft_model: nn.Module, engine) -> tuple[int, int]:
+def inplace_merge_push(peft_model: nn.Module, engine) -> Row:
+    start = time.perf_counter()
     peft_model.merge_adapter()
     try:
         pairs = list(_inplace_pairs(peft_model))
+        t = time.perf_counter()
         engine.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True}
         )
         engine.llm.reset_prefix_cache()
+        in_engine = time.perf_counter() - t
     finally:
         peft_model.unmerge_adapter()
-    return sum(t.numel() * t.element_size() for _, t in pairs), 1
+    total = time.perf_counter() - start
+    # trainer side: merge_adapter + unmerge_adapter (the push reads the merged weights in place)
+    parts = _phases(start, total - in_engine)
+    return sum(t.numel() * t.element_size() for _, t in pairs), 1, None, parts
 
 
 @torch.no_grad()
@@ -124,13 +149,15 @@ def inplace_merge_cycle(peft_model: nn.Module) -> None:
     peft_model.unmerge_adapter()
 
 
-def vllm_reload(engine, checkpoint: str) -> tuple[int, int]:
+def vllm_reload(engine, checkpoint: str) -> Row:
+    start = time.perf_counter()
     # weights_path is given explicitly: vLLM repoints its model path at any folder it reloaded
     # from (a snapshot row earlier in the run), and this row must read the original checkpoint.
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
     engine.llm.reset_prefix_cache()
     itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    return sum(itemsize * _numel(s) for s in engine.expected_weights.values()), 1
+    sent = sum(itemsize * _numel(s) for s in engine.expected_weights.values())
+    return sent, 1, None, _phases(start, 0.0)  # all of it in vLLM (disk read included)
 
 
 def _numel(shape) -> int:

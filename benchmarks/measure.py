@@ -59,9 +59,14 @@ class Runs:
     warmup_seconds: float | None = None
     warmup_peak_extra: int | None = None
     result: Any = None  # what the last call returned (e.g. a SyncReport)
+    phases: list[dict[str, float]] = field(default_factory=list)  # per timed run, if measured
 
     def summary(self) -> dict[str, Any]:
+        parts = {}
+        if self.phases:  # each part's median over the timed runs (see phases.py)
+            parts = {k: statistics.median(p[k] for p in self.phases) for k in self.phases[0]}
         return {
+            "phases": parts,
             "seconds": {
                 "median": statistics.median(self.seconds),
                 "min": min(self.seconds),
@@ -79,11 +84,22 @@ class Runs:
 
 
 def measure(
-    fn: Callable[[], Any], repeats: int, *, warmup: int = 1, tick: Callable[[], None] = lambda: None
+    fn: Callable[[], Any],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    tick: Callable[[], None] = lambda: None,
+    before: Callable[[], None] | None = None,
 ) -> Runs:
-    """Call ``fn`` ``warmup`` times untimed-for-summary, then ``repeats`` times timed."""
+    """Call ``fn`` ``warmup`` times untimed-for-summary, then ``repeats`` times timed.
+
+    ``before`` runs ahead of every call, outside the timer (a training step between syncs).
+    A ``fn`` that returns a tuple whose 4th item is a dict of phases has them kept per run.
+    """
     runs = Runs()
     for i in range(warmup + repeats):
+        if before is not None:
+            before()
         gc.collect()
         with PeakRSS() as mem:
             start = time.perf_counter()
@@ -94,5 +110,7 @@ def measure(
         else:
             runs.seconds.append(seconds)
             runs.peak_extra.append(mem.peak_extra)
+            if isinstance(runs.result, tuple) and len(runs.result) > 3 and runs.result[3]:
+                runs.phases.append(runs.result[3])
         tick()
     return runs

@@ -54,7 +54,12 @@ SHAPES: dict[str, dict] = {
         vocab_size=151936,
     ),
 }
-INIT_RANGE = {"tiny": 0.1, "tiny4": 0.1}
+# Untied twins, Llama architecture: the same layer shapes without tied embeddings, so lm_head is
+# a weight of its own on disk and in vLLM. On these, FullSync and vLLM's reload from the
+# checkpoint move exactly the same tensors (the like-for-like row). 0.5b-untied holds 630 M
+# parameters: the 1.26 GB FullSync sends for the tied 0.5b, stored once each.
+UNTIED = {f"{shape}-untied": shape for shape in ("tiny", "0.5b")}
+INIT_RANGE = {"tiny": 0.1, "tiny4": 0.1, "tiny-untied": 0.1}
 DEFAULT_INIT_RANGE = 0.05
 
 
@@ -89,7 +94,7 @@ def _count_params(folder: Path) -> int:
 
 def resolve(model: str, *, dtype: torch.dtype = torch.bfloat16, log=print) -> ModelSpec:
     """A shape name (built and cached on first use) or a path to a user's HF model folder."""
-    if model in SHAPES:
+    if model in SHAPES or model in UNTIED:
         folder = CACHE / f"{model}-{str(dtype).removeprefix('torch.')}"
         if not (folder / "config.json").exists() or not list(folder.glob("*.safetensors")):
             log(f"[bench] building random-init {model} model in {folder} (once)")
@@ -98,7 +103,7 @@ def resolve(model: str, *, dtype: torch.dtype = torch.bfloat16, log=print) -> Mo
     folder = Path(model).expanduser()
     if not (folder / "config.json").exists() or not list(folder.glob("*.safetensors")):
         raise SystemExit(
-            f"--model {model!r} is neither a shape ({', '.join(SHAPES)}) nor a folder with "
+            f"--model {model!r} is neither a shape ({', '.join([*SHAPES, *UNTIED])}) nor a folder with "
             "config.json and *.safetensors (save your model with save_pretrained(..., "
             "safe_serialization=True))"
         )
@@ -109,14 +114,15 @@ def resolve(model: str, *, dtype: torch.dtype = torch.bfloat16, log=print) -> Mo
 
 
 def build(shape: str, folder: Path, dtype: torch.dtype) -> None:
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    cfg = Qwen2Config(
-        tie_word_embeddings=True,
+    config_class, tied = (LlamaConfig, False) if shape in UNTIED else (Qwen2Config, True)
+    cfg = config_class(
+        tie_word_embeddings=tied,
         max_position_embeddings=4096,
         initializer_range=INIT_RANGE.get(shape, DEFAULT_INIT_RANGE),
         torch_dtype=str(dtype).removeprefix("torch."),
-        **SHAPES[shape],
+        **SHAPES[UNTIED.get(shape, shape)],
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)

