@@ -8,12 +8,12 @@ every process it started is stopped by PID at the end.
 
 from __future__ import annotations
 
-import os
-import signal
+import contextlib
 
 import psutil
 import pytest
 from peft import LoraConfig, get_peft_model
+from test_server_vllm import SHM, SHUTDOWN_TIMEOUT_S, shm_mapped
 
 from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
@@ -40,6 +40,8 @@ def llm(tmp_path_factory):
     env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the default, which .ci/env turns off
     env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     env.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # time for the workers to exit on their own: they unlink their shared memory on exit
+    env.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_TIMEOUT_S))
     vllm.envs.disable_envs_cache()  # an in-process engine made earlier froze the environment
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
@@ -62,13 +64,22 @@ def llm(tmp_path_factory):
         yield engine
     finally:
         started = [p for p in me.children(recursive=True) if p.pid not in before]
+        held = shm_mapped(p.pid for p in started)  # vLLM-CPU's TP communicator: cpushm_<rank>
         if engine is not None:
-            engine.llm_engine.engine_core.shutdown()
+            # The default gives the engine core 5 s, then kills it and its workers, whose
+            # shared memory (vLLM-CPU's TP communicator) then stays in /dev/shm.
+            engine.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         for p in started:
-            if p.is_running():
-                os.kill(p.pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.NoSuchProcess):  # psutil: never a reused PID
+                p.kill()
+        psutil.wait_procs(started, timeout=10)
         env.undo()
         vllm.envs.disable_envs_cache()
+        left = sorted(n for n in held if (SHM / n).exists())
+        for name in left:
+            (SHM / name).unlink(missing_ok=True)
+        assert not left, f"the LLM's processes left /dev/shm entries (removed now): {left}"
+        assert engine is None or any("cpushm" in n for n in held), "nothing was checked"
 
 
 @pytest.fixture(scope="module")

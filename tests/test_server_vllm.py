@@ -1,13 +1,21 @@
 """The decision table against real ``vllm serve`` processes, TP=1 and TP=2, both transports.
 
-Two servers per module (CPU is shared): one at TP=1 and one at TP=2, both serving LoRA, both
-started with weightsync's worker extension, on 127.0.0.1 and free ports, stopped by process
-group even when a test fails. Every sync is checked to change what the server generates, then
-to make it generate exactly the trainer's greedy tokens (float32 logprobs within 1e-3).
+Two servers per module (CPU is shared), both serving LoRA with weightsync's worker extension,
+on 127.0.0.1 and free ports: TP=1 on a tied model (Qwen2), TP=2 on an untied one (Llama), so
+both shapes are covered without a third process. Every row of ``policy.choose`` is driven through
+a ``Syncer`` as a framework would, with the sleep levels made through the server's ``/sleep``
+(a no-op on CPU: level 2's discard is simulated by overwriting the weights after it). Every sync
+is checked to change what the server generates, then to make it generate exactly the trainer's
+greedy tokens (float32 logprobs within 1e-3).
+
+Servers are stopped gracefully by PID (vLLM then unlinks its shared memory), the leftovers of a
+stop that was not graceful are removed by name (only the files the server's own processes
+mapped), and the module checks that ``/dev/shm`` holds nothing new afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,12 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from weightsync import AdapterSync, FullSync, policy
+from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
+from weightsync.engines import VLLMEngine
 from weightsync.engines.vllm.server import (
     WORKER_EXTENSION,
     EngineBrokenError,
@@ -31,7 +41,7 @@ from weightsync.engines.vllm.server import (
 )
 from weightsync.errors import BaseDiscardedError
 
-ARCH = "qwen2"  # tied embeddings: the harder case for a remote reload
+ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
 ATOL = 1e-3
 LORA = {
     "r": 8,
@@ -39,6 +49,10 @@ LORA = {
     "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
 }
 START_TIMEOUT_S = 420
+#: vLLM's default (0) aborts on SIGTERM and force-kills its workers, whose shared memory
+#: (vLLM-CPU's TP communicator, ``vllm_dist_*-cpushm_<rank>``) then stays in /dev/shm.
+SHUTDOWN_TIMEOUT_S = 30
+SHM = Path("/dev/shm")
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -49,10 +63,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """A ``vllm serve`` process group of our own, stopped by its PID."""
+def shm_mapped(pids) -> set[str]:
+    """The /dev/shm files the processes ``pids`` have mapped."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                found.add(fields[5].removesuffix(" (deleted)").removeprefix(f"{SHM}/"))
+    return found
 
-    def __init__(self, checkpoint: str, tp: int, log: Path) -> None:
+
+class Server:
+    """A ``vllm serve`` process of our own, stopped by its PID.
+
+    Args:
+        extension: load weightsync's worker extension (False: a stock server).
+    """
+
+    def __init__(self, checkpoint: str, tp: int, log: Path, *, extension: bool = True) -> None:
+        self.tp = tp
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {
@@ -60,6 +94,8 @@ class Server:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            # time for the workers to exit on their own (they unlink their memory on exit)
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_TIMEOUT_S),
         }
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server always runs its core apart
         if tp == 2:
@@ -70,12 +106,18 @@ class Server:
             "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
             "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp),
             "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1",
-            "--worker-extension-cls", WORKER_EXTENSION,
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         ]  # fmt: skip
+        if extension:
+            cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         self.log = log
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
         )
+        #: its processes, as psutil handles: they know their start time, so a PID reused by
+        #: someone else's process after ours exited is never signalled
+        self.procs: dict[int, psutil.Process] = {}
+        self.shm: set[str] = set()  # the /dev/shm files its processes mapped once up
 
     def wait(self) -> None:
         import requests
@@ -86,11 +128,19 @@ class Server:
                 raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self._record()
                     return
             except requests.ConnectionError:
                 pass
             time.sleep(1)
         raise TimeoutError(f"vllm serve not up after {START_TIMEOUT_S}s: {self.tail()}")
+
+    def _record(self) -> None:
+        """Note the server's processes and the shared memory they mapped, for :meth:`join`."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self.procs.setdefault(p.pid, p)
+        self.shm |= shm_mapped(self.procs)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -98,35 +148,84 @@ class Server:
     def tail(self) -> str:
         return "\n".join(self.log.read_text().splitlines()[-30:])
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+    def terminate(self) -> None:
+        """Ask the API server to shut down (it stops its engine core, which stops its workers;
+        signalling them all at once would kill the workers before they unlink their memory)."""
+        if self.alive():
+            self._record()
+            self.proc.send_signal(signal.SIGTERM)
+
+    def join(self) -> list[str]:
+        """Wait for :meth:`terminate`; kill by PID whatever outlives the grace period, then
+        remove the shared memory the server's processes mapped and left behind. Returns what
+        had to be removed (empty after a graceful stop)."""
+        try:
+            self.proc.wait(SHUTDOWN_TIMEOUT_S + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+        _, alive = psutil.wait_procs(list(self.procs.values()), timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(alive, timeout=10)
+        left = sorted(n for n in self.shm if (SHM / n).exists())
+        for name in left:
+            (SHM / name).unlink(missing_ok=True)
+        return left
+
+    def stop(self) -> list[str]:
+        self.terminate()
+        return self.join()
+
+
+def stop_all(servers) -> None:
+    """Stop ``servers`` together; check vLLM removed every /dev/shm entry their processes held
+    (whatever it left is removed by :meth:`Server.join` first, so a failure leaves no litter).
+
+    Only entries the servers' own processes mapped are checked: other users of a shared
+    machine create and remove theirs meanwhile, so "nothing new in /dev/shm" says nothing about
+    these servers unless the machine is otherwise idle."""
+    for s in servers:
+        s.terminate()
+    left = {s.url: s.join() for s in servers}
+    assert not any(left.values()), f"servers did not stop gracefully; their /dev/shm left: {left}"
+    tp_shm = [s.shm for s in servers if s.tp > 1]  # vLLM-CPU's TP communicator: cpushm_<rank>
+    assert all(any("cpushm" in n for n in names) for names in tp_shm), "nothing was checked"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return T.save_checkpoint(T.tiny_model(ARCH), tmp_path_factory.mktemp("served") / "ck")
+def checkpoints(tmp_path_factory):
+    return {
+        tp: T.save_checkpoint(T.tiny_model(arch), tmp_path_factory.mktemp(f"served-{arch}") / "ck")
+        for tp, arch in ARCH.items()
+    }
+
+
+def _selected_tps(request) -> list[int]:
+    """TP=1, and TP=2 if a selected test of this module runs on it (``-k tp1`` starts one
+    server)."""
+    ids = [
+        i.nodeid.partition("[")[2]
+        for i in request.session.items
+        if getattr(i, "module", None) is request.module
+    ]
+    return [1, 2] if any("tp2" in i for i in ids) else [1]
 
 
 @pytest.fixture(scope="module")
-def servers(checkpoint, tmp_path_factory):
-    """One TP=1 and one TP=2 server, started together (start-up is the slow part)."""
+def servers(checkpoints, tmp_path_factory, request):
+    """A TP=1 and a TP=2 server, started together (start-up is the slow part)."""
     logs = tmp_path_factory.mktemp("logs")
     started: dict[int, Server] = {}
     try:
-        for tp in (1, 2):
-            started[tp] = Server(checkpoint, tp, logs / f"tp{tp}.log")
+        for tp in _selected_tps(request):
+            started[tp] = Server(checkpoints[tp], tp, logs / f"tp{tp}.log")
         for s in started.values():
             s.wait()
         yield started
     finally:
-        for s in started.values():
-            s.stop()
+        stop_all(started.values())
 
 
 @pytest.fixture(scope="module")
@@ -144,90 +243,189 @@ def engines(servers):
     finally:
         for e in made.values():
             e.close()
-    leftovers = [p for e in made.values() for p in (e._adapter_root,) if p.exists()]
-    assert not leftovers, f"adapter folders left behind: {leftovers}"
+    leftovers = [
+        p
+        for e in made.values()
+        for p in (e._adapter_root, getattr(e.transport, "root", None))
+        if p is not None and p.exists()
+    ]
+    assert not leftovers, f"tmpfs folders left behind: {leftovers}"
 
 
-SERVERS = [pytest.param(1, id="tp1"), pytest.param(2, id="tp2")]
 TRANSPORTS = ["tmpfs", "gloo"]
+#: Every (server, transport) pair.
+PAIRS = [
+    pytest.param(tp, transport, id=f"tp{tp}-{transport}")
+    for tp in (1, 2)
+    for transport in TRANSPORTS
+]
+#: Where the decision table runs: each server once, each transport once (the policy does not
+#: depend on the transport; every pair is synced by the failure tests, TP=1 gloo by the fan-out).
+TABLE = [pytest.param(1, "tmpfs", id="tp1-tmpfs"), pytest.param(2, "gloo", id="tp2-gloo")]
 
 
-def full_model(seed):
-    model = T.tiny_model(ARCH)
+def full_model(tp, seed):
+    model = T.tiny_model(ARCH[tp])
     T.perturb(model, seed=seed)
     return model
 
 
-def lora_model(seed):
-    model = get_peft_model(T.tiny_model(ARCH), LoraConfig(**LORA))
+def lora_model(tp, seed):
+    """The served checkpoint's base with a trained (perturbed) adapter."""
+    model = get_peft_model(T.tiny_model(ARCH[tp]), LoraConfig(**LORA))
     T.perturb(model, seed=seed, scale=0.3)
     return model
 
 
-def sync_and_check(strategy, model, engine):
+def discard(engine, *, seed: int = 1234) -> None:
+    """What a level-2 sleep does to the weights on a GPU, which vLLM's CPU sleep does not do:
+    overwrite every weight with random values, behind weightsync's bookkeeping (not a sync)."""
+    gen = torch.Generator().manual_seed(seed)
+    engine.load_weights(
+        [
+            [
+                (name, torch.randn(shape, generator=gen))
+                for name, shape in engine.expected_weights.items()
+            ]
+        ]
+    )
+    engine.held = {}
+
+
+def enter_sleep(engine, level: int) -> None:
+    """Sleep the server at ``level`` through its ``/sleep`` and wake it; after level 2 its
+    weights are garbage."""
+    if level == 0:
+        return
+    engine.sleep(level)
+    assert engine.control.is_sleeping()
+    engine.wake_up()
+    assert engine.sleep_level >= level and engine.base_discarded == (level == 2)
+    if level == 2:
+        discard(engine)
+
+
+def sync_and_check(sync, model, engine):
+    """``sync(model)`` after checking the engine differs from the trainer; then it matches."""
     stale = T.compare(model, engine)
     assert stale["engine"] != stale["trainer"], (
         "the server already matched the trainer: the test proves nothing"
     )
-    report = strategy.sync(model, engine)
+    report = sync(model)
     T.assert_matches(model, engine, atol=ATOL)
     return report
 
 
-def test_facts_come_from_the_workers(engines, servers):
-    engine = engines(1, "tmpfs")
-    assert engine.dtype == torch.float32
-    assert engine.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
+def walk(syncer, model, engine, levels, *, train=None):
+    """A framework's loop: per step, train (``train(step)``), sleep at the step's level and
+    wake, then ``syncer.sync``; returns the strategy each step ran."""
+    chosen = []
+    for step, level in enumerate(levels):
+        if train is not None:
+            train(step)
+        enter_sleep(engine, level)
+        report = sync_and_check(syncer.sync, model, engine)
+        chosen.append(report.strategy)
+        assert syncer.base_sync_done and not engine.base_discarded
+    return chosen
+
+
+def test_facts_come_from_the_workers_tied(engines):
+    tied = engines(1, "tmpfs")
+    assert tied.dtype == torch.float32 and tied.facts["world_size"] == 1
+    assert tied.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
     assert (
-        engine.expected_weights["lm_head.weight"]
-        == engine.expected_weights["model.embed_tokens.weight"]
+        tied.expected_weights["lm_head.weight"]
+        == tied.expected_weights["model.embed_tokens.weight"]
     )
-    assert engine.serves_lora and engine.facts["lora"]["max_lora_rank"] == 16
-    assert "q_proj" in engine.facts["lora"]["modules"]
-    assert engines(2, "tmpfs").facts["world_size"] == 2
+    assert tied.serves_lora and tied.facts["lora"]["max_lora_rank"] == 16
+    assert "q_proj" in tied.facts["lora"]["modules"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("tp", SERVERS)
+@pytest.mark.parametrize("tp", [pytest.param(2, id="tp2")])
+def test_facts_come_from_the_workers_untied(engines, tp):
+    untied = engines(tp, "tmpfs")
+    assert untied.facts["world_size"] == 2 and untied.shared_weights == []
+    assert "lm_head.weight" in untied.expected_weights and not untied.facts["twins"]
+    with pytest.raises(ValueError, match="differs from replica 0"):
+        Replicas([engines(1, "tmpfs"), untied])  # not one model: one sync cannot fit both
+
+
+# --- the decision table, through a Syncer ---------------------------------------------------
+
+
+@pytest.mark.parametrize("tp,transport", TABLE)
 def test_full_training(engines, tp, transport):
+    """train_type='full': FullSync at every sleep level, the served adapter dropped."""
     engine = engines(tp, transport)
-    s = policy.choose(train_type="full", rollout_lora=True, base_sync_done=True, sleep_level=0)
-    report = sync_and_check(s, full_model(seed=10 + tp + 3 * TRANSPORTS.index(transport)), engine)
-    assert type(s) is FullSync and report.engine_calls == 1
+    model = full_model(tp, seed=10 + tp + 3 * TRANSPORTS.index(transport))
+    syncer = Syncer(engine, train_type="full", base_sync_done=True)
+    chosen = walk(syncer, model, engine, [0, 1, 2], train=lambda step: T.perturb(model, seed=step))
+    assert chosen == ["FullSync"] * 3 and engine.served_adapter is None
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("tp", SERVERS)
+@pytest.mark.parametrize("tp,transport", TABLE)
 def test_lora_merged(engines, tp, transport):
+    """LoRA, the engine not serving it (rollout_lora=False): merged, at every sleep level."""
     engine = engines(tp, transport)
-    sync_and_check(
-        FullSync(lora="merge"), lora_model(seed=20 + tp + 3 * TRANSPORTS.index(transport)), engine
-    )
+    model = lora_model(tp, seed=20 + tp + 3 * TRANSPORTS.index(transport))
+    syncer = Syncer(engine, train_type="lora", rollout_lora=False)
+    train = lambda step: T.perturb(model, seed=200 + step, scale=0.3)  # noqa: E731
+    chosen = walk(syncer, model, engine, [0, 1, 2], train=train)
+    assert chosen == ["FullSync(lora=merge)"] * 3
     assert engine.served_adapter is None  # nothing applied on top of the merged weights
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("tp", SERVERS)
-def test_lora_served_first_sync_then_adapter_only(engines, tp, transport):
+@pytest.mark.parametrize("tp,transport", TABLE)
+def test_lora_served(engines, tp, transport):
+    """LoRA served: base + adapter first and after a level-2 sleep, the adapter alone after
+    levels 0 and 1; every adapter update is followed."""
     engine = engines(tp, transport)
-    FullSync().sync(full_model(seed=5), engine)  # the server holds some other base
-    model = lora_model(seed=30 + tp + 3 * TRANSPORTS.index(transport))
-    s = policy.choose(train_type="lora", rollout_lora=True, base_sync_done=False, sleep_level=0)
-    assert type(s) is FullSync and s.lora == "separate"
-    report = sync_and_check(s, model, engine)
-    assert report.engine_calls == 2 and engine.served_adapter is not None
-    previous = T.compare(model, engine)["engine"]
-    for step in range(2):
-        T.perturb(model, seed=300 + step, scale=0.3)
-        s = policy.choose(train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=0)
-        assert type(s) is AdapterSync
-        report = sync_and_check(s, model, engine)
-        assert report.engine_calls == 1 and report.buckets == 0
-        tokens = T.compare(model, engine)["engine"]
-        assert tokens != previous, "the server did not follow the adapter update"
-        previous = tokens
+    FullSync().sync(full_model(tp, seed=5), engine)  # the server holds some other base
+    model = lora_model(tp, seed=30 + tp + 3 * TRANSPORTS.index(transport))
+    syncer = Syncer(engine, train_type="lora")
+    train = lambda step: T.perturb(model, seed=300 + step, scale=0.3)  # noqa: E731
+    chosen = walk(syncer, model, engine, [0, 1, 0, 2, 1], train=train)
+    assert chosen == [
+        "FullSync(lora=separate)",
+        "AdapterSync",
+        "AdapterSync",
+        "FullSync(lora=separate)",
+        "AdapterSync",
+    ]
+    assert engine.served_adapter is not None
     versions = sorted(engine._adapter_root.glob("adapter-v*"))
     assert 1 <= len(versions) <= 2, f"old adapter folders kept: {versions}"
+
+
+@pytest.mark.parametrize("tp,transport", TABLE)
+def test_prefer_reload(engines, tp, transport):
+    """prefer_reload: the base is restored from the server's own checkpoint (first sync and
+    after a level-2 sleep), then the adapter; the adapter alone after level 1."""
+    engine = engines(tp, transport)
+    FullSync().sync(full_model(tp, seed=6), engine)  # the server's base differs from its checkpoint
+    model = lora_model(tp, seed=60 + tp + 3 * TRANSPORTS.index(transport))
+    syncer = Syncer(engine, train_type="lora", prefer_reload=True)
+    train = lambda step: T.perturb(model, seed=600 + step, scale=0.3)  # noqa: E731
+    chosen = walk(syncer, model, engine, [0, 1, 2], train=train)
+    assert chosen == ["ReloadWeights(checkpoint)", "AdapterSync", "ReloadWeights(checkpoint)"]
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["merged", "served"])
+@pytest.mark.parametrize("tp,transport", TABLE)
+def test_reload_from_snapshot(engines, tp, transport, served, tmp_path):
+    """ReloadWeights(snapshot) after a level-2 sleep: the server reads the trainer's snapshot."""
+    engine = engines(tp, transport)
+    model = lora_model(tp, seed=70 + tp + 3 * TRANSPORTS.index(transport) + 10 * served)
+    if not served:
+        model = model.merge_and_unload()  # a plain model: its snapshot holds merged weights
+    enter_sleep(engine, 2)
+    snapshot = ReloadWeights(snapshot_dir=tmp_path / "snap")
+    sync_and_check(lambda m: snapshot.sync(m, engine), model, engine)
+    assert not engine.base_discarded and (engine.served_adapter is not None) == served
+
+
+# --- failures --------------------------------------------------------------------------------
 
 
 def one_per_bucket(model, engine):
@@ -247,13 +445,12 @@ def _bad_stream(model, engine, kind):
 
 
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("tp", SERVERS)
+@pytest.mark.parametrize("tp,transport", PAIRS)
 def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transport, kind):
     engine = engines(tp, transport)
-    old = full_model(seed=40)
+    old = full_model(tp, seed=40)
     FullSync().sync(old, engine)
-    new = full_model(seed=41 + tp)
+    new = full_model(tp, seed=41 + tp)
     with pytest.raises(RuntimeError) as failed:
         engine.load_weights(_bad_stream(new, engine, kind))
     assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed
@@ -261,7 +458,7 @@ def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transp
     engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
     assert engine.base_discarded, "a failed write must mark the base unsynced"
     with pytest.raises(BaseDiscardedError):
-        AdapterSync().sync(lora_model(seed=42), engine)
+        AdapterSync().sync(lora_model(tp, seed=42), engine)
     FullSync().sync(new, engine)  # the next full sync repairs it
     T.assert_matches(new, engine, atol=ATOL)
     assert not engine.base_discarded
@@ -276,17 +473,26 @@ def test_sleep_made_by_another_client_is_seen(engines, servers):
         HTTPControl(servers[1].url).wake_up(None)
     assert not engine.asleep
     with pytest.raises(BaseDiscardedError):
-        AdapterSync().sync(lora_model(seed=43), engine)
-    FullSync().sync(full_model(seed=44), engine)
+        AdapterSync().sync(lora_model(1, seed=43), engine)
+    FullSync().sync(full_model(1, seed=44), engine)
     assert engine.sleep_level == 0
 
 
+# --- several engines at once -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def colocated(checkpoints):
+    """A second replica of the TP=1 server's model: an in-process ``vllm.LLM`` (no process)."""
+    return VLLMEngine(T.make_llm(checkpoints[1], enable_lora=True, max_lora_rank=16))
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_two_replica_fanout(engines, transport):
-    """One call syncs the TP=1 and the TP=2 server: each bucket produced once, both match,
-    and a check that fails on one replica writes nothing anywhere."""
-    replicas = Replicas([engines(1, transport), engines(2, transport)])
-    model = full_model(seed=50 + TRANSPORTS.index(transport))
+def test_two_replica_fanout(engines, colocated, transport):
+    """One call syncs the TP=1 server and an in-process replica of its model: each bucket
+    produced once, both match, and a check that fails on one replica writes nothing anywhere."""
+    replicas = Replicas([engines(1, transport), colocated])
+    model = full_model(1, seed=50 + TRANSPORTS.index(transport))
     for e in replicas.engines:
         stale = T.compare(model, e)
         assert stale["engine"] != stale["trainer"]
@@ -302,12 +508,12 @@ def test_two_replica_fanout(engines, transport):
     for e in replicas.engines:
         T.assert_matches(model, e, atol=ATOL)
 
-    merged = lora_model(seed=52 + TRANSPORTS.index(transport))
+    merged = lora_model(1, seed=52 + TRANSPORTS.index(transport))
     FullSync(lora="merge").sync(merged, replicas)  # the strategies take a fan-out as one engine
     for e in replicas.engines:
         T.assert_matches(merged, e, atol=ATOL)
 
-    big = get_peft_model(T.tiny_model(ARCH), LoraConfig(**{**LORA, "r": 32}))
+    big = get_peft_model(T.tiny_model(ARCH[1]), LoraConfig(**{**LORA, "r": 32}))
     before = [T.compare(merged, e)["engine"] for e in replicas.engines]
     with pytest.raises(Exception, match="max_lora_rank"):
         FullSync(lora="separate").sync(big, replicas)

@@ -1,0 +1,193 @@
+"""A stock ``vllm serve`` (no weightsync worker extension), synced with ``transport="tmpfs"``.
+
+Bytes go through vLLM's own ``/collective_rpc`` ``reload_weights(weights_path=...)``; the
+engine's facts come from the server's dev-mode ``/server_info`` and the model folder it serves.
+One TP=1 server on a tied model (Qwen2), the case vLLM's own reload gets wrong: it restores
+``lm_head`` apart from ``embed_tokens``, so a tied checkpoint reloaded as it is (the tensor
+stored once) leaves the head stale. Every sync is checked to change what the server generates,
+then to make it generate exactly the trainer's greedy tokens (float32 logprobs within 1e-3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_server_vllm import (
+    ATOL,
+    LORA,
+    Server,
+    enter_sleep,
+    one_per_bucket,
+    stop_all,
+    sync_and_check,
+    walk,
+)
+
+from weightsync import FullSync, ReloadWeights, Syncer
+from weightsync import testing as T
+from weightsync.engines.vllm.server import EngineBrokenError, VLLMServerEngine
+
+ARCH = "qwen2"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return T.save_checkpoint(T.tiny_model(ARCH), tmp_path_factory.mktemp("stock") / "ck")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    s = Server(checkpoint, 1, tmp_path_factory.mktemp("logs") / "stock.log", extension=False)
+    try:
+        s.wait()
+        yield s
+    finally:
+        stop_all([s])
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    e = VLLMServerEngine(server.url, transport="tmpfs")
+    yield e
+    e.close()
+    left = [p for p in (e._adapter_root, e.transport.root) if p.exists()]
+    assert not left, f"tmpfs folders left behind: {left}"
+
+
+def full_model(seed):
+    model = T.tiny_model(ARCH)
+    T.perturb(model, seed=seed)
+    return model
+
+
+def lora_model(seed):
+    model = get_peft_model(T.tiny_model(ARCH), LoraConfig(**LORA))
+    T.perturb(model, seed=seed, scale=0.3)
+    return model
+
+
+def test_facts_come_from_the_server(engine, checkpoint):
+    assert engine.stock and "stock server" in engine.describe()
+    assert engine.dtype == torch.float32 and engine.facts["world_size"] == 1
+    assert engine.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
+    assert engine.facts["twins"] == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    # What vLLM's loader reads from the folder it serves, plus the tied name it registers.
+    shapes = T.tiny_model(ARCH).state_dict()
+    assert dict(engine.expected_weights) == {k: tuple(v.shape) for k, v in shapes.items()}
+    assert engine.serves_lora and engine.facts["lora"]["max_lora_rank"] == 16
+    assert {"q_proj", "v_proj", "down_proj"} <= set(engine.facts["lora"]["modules"])
+    assert "lm_head" not in engine.facts["lora"]["modules"]
+
+
+def test_gloo_needs_the_extension(server):
+    with pytest.raises(ValueError, match="worker extension"):
+        VLLMServerEngine(server.url, transport="gloo")
+
+
+def test_vllm_reload_of_a_tied_checkpoint_leaves_the_head_stale(engine, tmp_path):
+    """Why the engine writes a tied tensor under every name: vLLM's own reload of a tied
+    checkpoint (the tensor stored once, as ``save_pretrained`` does) changes the embedding but
+    keeps the old head. Measured: greedy tokens differ, logprobs off by ~1.4."""
+    model = full_model(seed=1)
+    folder = T.save_checkpoint(model, tmp_path / "ck")
+    engine.control.pause()
+    engine.control.rpc("reload_weights", {"weights_path": folder, "is_checkpoint_format": True})
+    engine.control.reset_prefix_cache()
+    engine.control.resume()
+    engine.held = {}  # written behind weightsync's back
+    stale = T.compare(model, engine)
+    assert stale["engine"] != stale["trainer"] and stale["max_logprob_diff"] > 0.1, stale
+    FullSync().sync(model, engine)  # the same weights, the tied tensor under both names
+    T.assert_matches(model, engine, atol=ATOL)
+
+
+# --- the decision table, through a Syncer ---------------------------------------------------
+
+
+def test_full_training(engine):
+    model = full_model(seed=10)
+    syncer = Syncer(engine, train_type="full", base_sync_done=True)
+    chosen = walk(syncer, model, engine, [0, 1, 2], train=lambda step: T.perturb(model, seed=step))
+    assert chosen == ["FullSync"] * 3
+
+
+def test_lora_merged(engine):
+    model = lora_model(seed=20)
+    syncer = Syncer(engine, train_type="lora", rollout_lora=False)
+    train = lambda step: T.perturb(model, seed=200 + step, scale=0.3)  # noqa: E731
+    assert walk(syncer, model, engine, [0, 1, 2], train=train) == ["FullSync(lora=merge)"] * 3
+    assert engine.served_adapter is None
+
+
+def test_lora_served(engine):
+    FullSync().sync(full_model(seed=5), engine)  # the server holds some other base
+    model = lora_model(seed=30)
+    syncer = Syncer(engine, train_type="lora")
+    train = lambda step: T.perturb(model, seed=300 + step, scale=0.3)  # noqa: E731
+    assert walk(syncer, model, engine, [0, 1, 0, 2, 1], train=train) == [
+        "FullSync(lora=separate)",
+        "AdapterSync",
+        "AdapterSync",
+        "FullSync(lora=separate)",
+        "AdapterSync",
+    ]
+
+
+def test_prefer_reload(engine):
+    """The server's own checkpoint stores the tied tensor once: the engine reloads it with the
+    head written too (a plain reload of that folder would leave the head of the last sync)."""
+    FullSync().sync(full_model(seed=6), engine)  # the server's base, head included, differs
+    model = lora_model(seed=60)
+    syncer = Syncer(engine, train_type="lora", prefer_reload=True)
+    train = lambda step: T.perturb(model, seed=600 + step, scale=0.3)  # noqa: E731
+    assert walk(syncer, model, engine, [0, 1, 2], train=train) == [
+        "ReloadWeights(checkpoint)",
+        "AdapterSync",
+        "ReloadWeights(checkpoint)",
+    ]
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["merged", "served"])
+def test_reload_from_snapshot(engine, served, tmp_path):
+    model = lora_model(seed=70 + served)
+    if not served:
+        model = model.merge_and_unload()
+    enter_sleep(engine, 2)
+    snapshot = ReloadWeights(snapshot_dir=tmp_path / "snap")
+    sync_and_check(lambda m: snapshot.sync(m, engine), model, engine)
+    assert (engine.served_adapter is not None) == served
+
+
+# --- failures: last, the final one leaves the server broken ------------------------------------
+
+
+def test_trainer_failure_touches_nothing(engine):
+    """Every byte is on tmpfs before the server is touched: a trainer failing part-way leaves
+    the server exactly as it was, its base still synced."""
+    old = full_model(seed=40)
+    FullSync().sync(old, engine)
+
+    def failing():
+        yield from one_per_bucket(full_model(seed=41), engine)[:6]
+        raise RuntimeError("injected: the trainer failed producing the next bucket")
+
+    with pytest.raises(RuntimeError, match="injected") as failed:
+        engine.load_weights(failing())
+    assert not isinstance(failed.value, EngineBrokenError)
+    assert not engine.base_discarded
+    T.assert_matches(old, engine, atol=ATOL)
+    assert not list(engine.transport.root.iterdir()), "staged files left behind"
+
+
+def test_failed_reload_leaves_the_server_paused(engine, server):
+    """A reload that fails inside vLLM (a name its model lacks, which a plan would have
+    refused) cannot be undone without the extension: EngineBrokenError, server left paused.
+    Runs last: the server is not used again."""
+    stream = one_per_bucket(full_model(seed=42), engine)[:6]
+    stream.append([("model.layers.0.mlp.not_a_weight", torch.zeros(4))])
+    with pytest.raises(EngineBrokenError, match="left paused"):
+        engine.load_weights(stream)
+    assert server.alive(), server.tail()
