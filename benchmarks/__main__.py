@@ -146,6 +146,9 @@ def run(
     if not args.no_profile and any(r.engine == "plain" for r in rows):
         bar.set_description("profile")
         result["profile"] = bench.profile()
+    if not args.no_profile and any(r.engine == "untied" for r in rows):
+        bar.set_description("profile (untied)")
+        result["profile_untied"] = bench.profile("untied")
     if not args.no_profile and any(r.key == "adapter_r16" for r in rows):
         bar.set_description("profile AdapterSync r16")
         result["profile_adapter"] = bench.profile_adapter()

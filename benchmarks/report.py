@@ -294,6 +294,13 @@ def markdown(result: dict[str, Any]) -> str:
             )
     if result.get("profile"):
         parts += ["", "## Where the seconds go", "", profile_table(result["profile"])]
+    if result.get("profile_untied"):
+        parts += [
+            "",
+            f"## Where the seconds go, untied model ({m.get('untied_model')}: like for like)",
+            "",
+            profile_table(result["profile_untied"]),
+        ]
     if result.get("profile_adapter"):
         parts += [
             "",

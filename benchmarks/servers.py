@@ -41,11 +41,7 @@ class ServerPool:
         self.urls: list[str] = []
         self.logs: list[Path] = []
         atexit.register(self.stop)
-        env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-        }
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server always runs its core apart
         cores = os.cpu_count() or 1
         try:
@@ -62,6 +58,7 @@ class ServerPool:
                     sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     "--model", spec.checkpoint, "--host", "127.0.0.1", "--port", str(port),
                     "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
+                    "--kv-cache-memory-bytes", str(64 << 20),  # as the in-process engines
                     "--dtype", spec.dtype_name, "--seed", "0",
                     "--worker-extension-cls", WORKER_EXTENSION,
                 ]  # fmt: skip

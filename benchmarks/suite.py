@@ -572,8 +572,9 @@ class Bench:
 
     # --- profile ------------------------------------------------------------------------------------
 
-    def profile(self) -> dict[str, Any]:
-        """Where the seconds of FullSync dense and of vLLM's own reload go.
+    def profile(self, which: str = "plain") -> dict[str, Any]:
+        """Where the seconds of FullSync dense and of vLLM's own reload go (``which``: the
+        engine, "plain" or "untied": the like-for-like pair).
 
         Three splits, each timed without the profiler: the trainer side alone (plan + check +
         materialising the buckets, no engine), vLLM's processing alone (reload_weights of an
@@ -581,15 +582,17 @@ class Bench:
         whose cumulative times per function (inflated by the profiler's own overhead) say which
         part of vLLM the time is spent in.
         """
-        eng = self.engine("plain")
+        eng = self.engine(which)
+        model = self.dense_untied if which == "untied" else self.dense
+        checkpoint = eng.checkpoint
         out: dict[str, Any] = {}
 
         def stream_only():
-            ts = base_tensors(self.dense, merge_lora=False, expected=eng.expected_weights)
+            ts = base_tensors(model, merge_lora=False, expected=eng.expected_weights)
             for _ in buckets(ts, eng.dtype, DEFAULT_BUCKET_BYTES):
                 pass
 
-        pairs = anchors.trainer_pairs(self.dense, eng)
+        pairs = anchors.trainer_pairs(model, eng)
 
         def vllm_only():
             eng.llm.collective_rpc(
@@ -597,8 +600,8 @@ class Bench:
                 kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True},
             )
 
-        full = lambda: FullSync(skip_unchanged=False).sync(self.dense, eng)  # noqa: E731
-        reload = lambda: anchors.vllm_reload(eng, self.spec.checkpoint)  # noqa: E731
+        full = lambda: FullSync(skip_unchanged=False).sync(model, eng)  # noqa: E731
+        reload = lambda: anchors.vllm_reload(eng, checkpoint)  # noqa: E731
         for name, fn in [
             ("trainer_stream_only", stream_only),
             ("vllm_reload_weights_in_memory_list", vllm_only),
@@ -619,7 +622,7 @@ class Bench:
             fn()
             prof.disable()
             out["functions"][name] = _top_functions(prof)
-        FullSync().sync(self.dense, eng)  # leave the engine in a known state
+        FullSync().sync(model, eng)  # leave the engine in a known state
         return out
 
     def profile_adapter(self, syncs: int = 10) -> dict[str, Any]:

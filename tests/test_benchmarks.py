@@ -120,6 +120,7 @@ def test_json_schema(result):
     assert [m["model"] for m in data["memory"]] == ["tiny"]  # the second size is skipped here
     memory = data["memory"][0]
     assert memory["peak_extra_bytes"]["max"] <= memory["bound_bytes"]  # the README's claim
+    assert data["profile_untied"]["full_dense"] > 0  # the like-for-like pair, profiled
     adapter = data["profile_adapter"]  # where AdapterSync r16's seconds go (cProfile)
     assert adapter["median_seconds_unprofiled"] > 0
     assert {"weightsync plan: AdapterSync.plan", "engine: VLLMEngine.load_adapter"} <= set(
