@@ -69,8 +69,9 @@ class Phases:
     def _engine_method(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self._depth:  # reload_checkpoint -> load_weights of files weightsync reads itself
-                if name == "load_weights":
-                    args = (self._timed_iter(args[0], "serialize"), *args[1:])
+                if name == "load_weights":  # its buckets are lazy readers: time their pairs
+                    lazy = (self._timed_iter(bucket, "serialize") for bucket in args[0])
+                    args = (lazy, *args[1:])
                 return fn(*args, **kwargs)
             self._depth += 1
             inside = self.produce + self.serialize
