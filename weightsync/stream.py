@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 from weakref import WeakKeyDictionary
 
 import torch
@@ -261,7 +261,7 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
     return out
 
 
-def _modules_of_type(root: nn.Module, kind: type) -> Iterator[tuple[str, nn.Module]]:
+def _modules_of_type(root: nn.Module, kind: type) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each module of type ``kind`` below ``root``, in
     ``named_modules()`` order and under its first name, without descending into a match.
     Half the cost of ``named_modules()`` on a 0.5B PEFT model (1 ms vs 2): it runs on every
