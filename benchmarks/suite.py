@@ -31,9 +31,11 @@ import torch
 
 from weightsync import AdapterSync, FullSync, ReloadWeights
 from weightsync.stream import DEFAULT_BUCKET_BYTES, base_tensors, buckets
+from weightsync.testing import trainer_greedy
 from weightsync.verify import (
     TOLERANCE,
     TOP_K,
+    canary_prompt,
     canary_prompts,
     score_diffs,
     trainer_prompt_logprobs,
@@ -250,12 +252,14 @@ class Bench:
         self._checkpoint_lp = trainer_prompt_logprobs(
             self.dense, canary_prompts(self.dense.config.vocab_size)
         )
+        self._checkpoint_greedy = _greedy(self.dense)
         for p in self.dense.parameters():
             p.requires_grad_(True)
         perturb(self.dense, seed=7, scale=0.02)  # a "training step": every weight moves
         self._peft: torch.nn.Module | None = None
         self._dense_untied: torch.nn.Module | None = None
         self._untied_checkpoint_lp: Any = None
+        self._untied_checkpoint_greedy: list[int] = []
         self._engines: dict[str, Any] = {}
         self._servers: Any = None
         self._packed: dict[str, str] | None = None
@@ -296,6 +300,7 @@ class Bench:
             self._untied_checkpoint_lp = trainer_prompt_logprobs(
                 model, canary_prompts(model.config.vocab_size)
             )
+            self._untied_checkpoint_greedy = _greedy(model)
             for p in model.parameters():
                 p.requires_grad_(True)
             perturb(model, seed=7, scale=0.02)
@@ -539,6 +544,9 @@ class Bench:
             "tolerance": {"mean": tol.mean, "max": tol.max},
             "control_mean_logprob_diff": control_mean,
             "control": "the other trainer model (must NOT match)",
+            # recorded, not required: bf16 kernels differ between the engine and the trainer
+            "greedy_tokens_equal": eng.greedy(_canary(self.spec_vocab), GREEDY_TOKENS)[0]
+            == self._reference_greedy(row),
         }
         if not out["passed"] and getattr(eng, "shared_weights", None) and hasattr(eng, "llm"):
             # Diagnosis only (the row stays failed): with tied embeddings a push that does not
@@ -554,6 +562,15 @@ class Bench:
     @property
     def spec_vocab(self) -> int:
         return self.dense.config.vocab_size
+
+    def _reference_greedy(self, row: Row) -> list[int]:
+        """The trainer's greedy tokens on the short canary prompt, for the model ``row`` must
+        serve."""
+        if row.model == "checkpoint":
+            return (
+                self._untied_checkpoint_greedy if row.spec == "untied" else self._checkpoint_greedy
+            )
+        return _greedy(self.trainer(row))
 
     def _reference(self, row: Row, prompts):
         """(trainer logprobs the engine must match, those of a model it must not match)."""
@@ -645,6 +662,17 @@ class Bench:
         prof.disable()
         top = _top_functions(prof, _ADAPTER_INTERESTING, per_call=syncs, sort="tottime")
         return {"syncs": syncs, "median_seconds_unprofiled": sorted(times)[syncs // 2], **top}
+
+
+GREEDY_TOKENS = 8
+
+
+def _canary(vocab_size: int) -> list[int]:
+    return canary_prompt(vocab_size, 16)
+
+
+def _greedy(model: torch.nn.Module) -> list[int]:
+    return trainer_greedy(model, _canary(model.config.vocab_size), GREEDY_TOKENS)
 
 
 def refresh_lm_head(llm) -> None:

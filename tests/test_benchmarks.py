@@ -140,6 +140,8 @@ def test_correctness_flags(result):
         assert "error" not in r, r["error"]
         if r["kind"] != "anchor":
             assert r["correct"]["passed"], (r["key"], r["correct"])
+        if r["kind"] != "floor":  # recorded for every engine row (not required: bf16 kernels)
+            assert isinstance(r["correct"]["greedy_tokens_equal"], bool), r["key"]
         if "control_mean_logprob_diff" in r["correct"]:  # the check can tell a wrong model apart
             c = r["correct"]
             assert c["control_mean_logprob_diff"] > c["tolerance"]["mean"], (r["key"], c)
