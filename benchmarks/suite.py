@@ -262,6 +262,7 @@ class Bench:
         self._untied_checkpoint_greedy: list[int] = []
         self._engines: dict[str, Any] = {}
         self._servers: Any = None
+        self._server_error: str | None = None
         self._packed: dict[str, str] | None = None
         self._memcpy: dict[str, anchors.MemcpyFloor] = {}
 
@@ -344,10 +345,16 @@ class Bench:
 
         from .servers import ServerPool
 
+        if self._server_error is not None:  # one failed start fails every server row
+            raise RuntimeError(f"the vllm serve processes did not start: {self._server_error}")
         if self._servers is None:
             self.log(f"[bench] starting 2 vllm serve processes on {self.spec.name}")
             t = time.perf_counter()
-            self._servers = ServerPool(self.spec, 2, logdir=self.workdir / "server-logs")
+            try:
+                self._servers = ServerPool(self.spec, 2, logdir=self.workdir / "server-logs")
+            except Exception as e:
+                self._server_error = f"{type(e).__name__}: {e}"
+                raise
             self.log(f"[bench] servers ready in {time.perf_counter() - t:.1f} s")
         a, b = self._servers.urls
         if which == "server_tmpfs":
