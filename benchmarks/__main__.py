@@ -1,6 +1,7 @@
-"""``python -m benchmarks``: every sync strategy head-to-head on a real in-process vLLM engine.
+"""``python -m benchmarks``: every sync strategy head-to-head on real vLLM engines (in process,
+and two ``vllm serve`` processes for the out-of-process rows).
 
-    bash .ci/env python -m benchmarks                       # 0.5B shape, all rows (~15 min)
+    bash .ci/env python -m benchmarks                       # 0.5B shape + its untied twin, all rows
     bash .ci/env python -m benchmarks --model tiny          # a fast look
     bash .ci/env python -m benchmarks --model ~/my-model    # your own HF model folder
     bash .ci/env python -m benchmarks --rows full_dense,adapter_r16,vllm_reload --repeats 3
