@@ -1,5 +1,6 @@
-"""``python -m benchmarks``: every sync strategy head-to-head on real vLLM engines (in process,
-and two ``vllm serve`` processes for the out-of-process rows).
+"""``python -m benchmarks``: every sync strategy head-to-head on real vLLM engines.
+
+In-process engines for most rows, two ``vllm serve`` processes for the out-of-process ones.
 
     bash .ci/env python -m benchmarks                       # 0.5B shape + its untied twin, all rows
     bash .ci/env python -m benchmarks --model tiny          # a fast look
