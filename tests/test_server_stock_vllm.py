@@ -16,10 +16,9 @@ from peft import LoraConfig, get_peft_model
 from test_server_vllm import (
     ATOL,
     LORA,
-    Server,
+    LORA_ARGS,
     enter_sleep,
     one_per_bucket,
-    stop_all,
     sync_and_check,
     walk,
 )
@@ -40,12 +39,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    s = Server(checkpoint, 1, tmp_path_factory.mktemp("logs") / "stock.log", extension=False)
-    try:
-        s.wait()
+    log = tmp_path_factory.mktemp("logs") / "stock.log"
+    with T.serving(T.VLLMServer(checkpoint, log, extension=False, args=LORA_ARGS)) as (s,):
         yield s
-    finally:
-        stop_all([s])
 
 
 @pytest.fixture(scope="module")

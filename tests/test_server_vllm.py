@@ -8,23 +8,12 @@ a ``Syncer`` as a framework would, with the sleep levels made through the server
 is checked to change what the server generates, then to make it generate exactly the trainer's
 greedy tokens (float32 logprobs within 1e-3).
 
-Servers are stopped gracefully by PID (vLLM then unlinks its shared memory), the leftovers of a
-stop that was not graceful are removed by name (only the files the server's own processes
-mapped), and the module checks that ``/dev/shm`` holds nothing new afterwards.
+Servers are `weightsync.testing.VLLMServer` processes, stopped gracefully by PID (vLLM then
+unlinks its shared memory); the module fails if a stop left anything in ``/dev/shm``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import psutil
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -33,7 +22,6 @@ from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
 from weightsync.engines.vllm.server import (
-    WORKER_EXTENSION,
     EngineBrokenError,
     HTTPControl,
     Replicas,
@@ -43,155 +31,14 @@ from weightsync.errors import BaseDiscardedError
 
 ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
 ATOL = 1e-3
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
 LORA = {
     "r": 8,
     "lora_alpha": 16,
     "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
 }
-START_TIMEOUT_S = 420
-#: vLLM's default (0) aborts on SIGTERM and force-kills its workers, whose shared memory
-#: (vLLM-CPU's TP communicator, ``vllm_dist_*-cpushm_<rank>``) then stays in /dev/shm.
-SHUTDOWN_TIMEOUT_S = 30
-SHM = Path("/dev/shm")
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def shm_mapped(pids) -> set[str]:
-    """The /dev/shm files the processes ``pids`` have mapped."""
-    found = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:  # gone, or not ours to read
-            continue
-        for line in maps.splitlines():
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
-                found.add(fields[5].removesuffix(" (deleted)").removeprefix(f"{SHM}/"))
-    return found
-
-
-class Server:
-    """A ``vllm serve`` process of our own, stopped by its PID.
-
-    Args:
-        extension: load weightsync's worker extension (False: a stock server).
-    """
-
-    def __init__(self, checkpoint: str, tp: int, log: Path, *, extension: bool = True) -> None:
-        self.tp = tp
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            # time for the workers to exit on their own (they unlink their memory on exit)
-            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_TIMEOUT_S),
-        }
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server always runs its core apart
-        if tp == 2:
-            env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", checkpoint, "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
-            "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp),
-            "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1",
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-        ]  # fmt: skip
-        if extension:
-            cmd += ["--worker-extension-cls", WORKER_EXTENSION]
-        self.log = log
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-        #: its processes, as psutil handles: they know their start time, so a PID reused by
-        #: someone else's process after ours exited is never signalled
-        self.procs: dict[int, psutil.Process] = {}
-        self.shm: set[str] = set()  # the /dev/shm files its processes mapped once up
-
-    def wait(self) -> None:
-        import requests
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    self._record()
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve not up after {START_TIMEOUT_S}s: {self.tail()}")
-
-    def _record(self) -> None:
-        """Note the server's processes and the shared memory they mapped, for :meth:`join`."""
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for p in psutil.Process(self.proc.pid).children(recursive=True):
-                self.procs.setdefault(p.pid, p)
-        self.shm |= shm_mapped(self.procs)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-30:])
-
-    def terminate(self) -> None:
-        """Ask the API server to shut down (it stops its engine core, which stops its workers;
-        signalling them all at once would kill the workers before they unlink their memory)."""
-        if self.alive():
-            self._record()
-            self.proc.send_signal(signal.SIGTERM)
-
-    def join(self) -> list[str]:
-        """Wait for :meth:`terminate`; kill by PID whatever outlives the grace period, then
-        remove the shared memory the server's processes mapped and left behind. Returns what
-        had to be removed (empty after a graceful stop)."""
-        try:
-            self.proc.wait(SHUTDOWN_TIMEOUT_S + 30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-        _, alive = psutil.wait_procs(list(self.procs.values()), timeout=10)
-        for p in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(alive, timeout=10)
-        left = sorted(n for n in self.shm if (SHM / n).exists())
-        for name in left:
-            (SHM / name).unlink(missing_ok=True)
-        return left
-
-    def stop(self) -> list[str]:
-        self.terminate()
-        return self.join()
-
-
-def stop_all(servers) -> None:
-    """Stop ``servers`` together; check vLLM removed every /dev/shm entry their processes held
-    (whatever it left is removed by :meth:`Server.join` first, so a failure leaves no litter).
-
-    Only entries the servers' own processes mapped are checked: other users of a shared
-    machine create and remove theirs meanwhile, so "nothing new in /dev/shm" says nothing about
-    these servers unless the machine is otherwise idle."""
-    for s in servers:
-        s.terminate()
-    left = {s.url: s.join() for s in servers}
-    assert not any(left.values()), f"servers did not stop gracefully; their /dev/shm left: {left}"
-    tp_shm = [s.shm for s in servers if s.tp > 1]  # vLLM-CPU's TP communicator: cpushm_<rank>
-    assert all(any("cpushm" in n for n in names) for names in tp_shm), "nothing was checked"
 
 
 @pytest.fixture(scope="module")
@@ -217,15 +64,14 @@ def _selected_tps(request) -> list[int]:
 def servers(checkpoints, tmp_path_factory, request):
     """A TP=1 and a TP=2 server, started together (start-up is the slow part)."""
     logs = tmp_path_factory.mktemp("logs")
-    started: dict[int, Server] = {}
-    try:
-        for tp in _selected_tps(request):
-            started[tp] = Server(checkpoints[tp], tp, logs / f"tp{tp}.log")
-        for s in started.values():
-            s.wait()
+    started = {
+        tp: T.VLLMServer(checkpoints[tp], logs / f"tp{tp}.log", tp=tp, args=LORA_ARGS)
+        for tp in _selected_tps(request)
+    }
+    with T.serving(*started.values()):
         yield started
-    finally:
-        stop_all(started.values())
+    # vLLM-CPU's TP communicator maps cpushm_<rank>: the graceful stop was checked on it
+    assert all(any("cpushm" in n for n in s.shm) for s in started.values() if s.tp > 1)
 
 
 @pytest.fixture(scope="module")

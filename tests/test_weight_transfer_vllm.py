@@ -4,23 +4,17 @@ The servers run ``--weight-transfer-config '{"backend": "weightsync"}'`` (regist
 worker by importing weightsync's worker extension) and are driven through vLLM's own
 ``HTTPVLLMWeightSyncClient``: ``VLLMServerEngine(url, transport=WeightTransferTransport(...))``,
 bytes as files or over gloo. One server per tensor-parallel size, started once per module on
-127.0.0.1 and free ports, stopped by process group even when a test fails; whatever they leave in
-``/dev/shm`` is removed (only what their processes mapped). Every sync is checked to change what
+127.0.0.1 and free ports (`weightsync.testing.VLLMServer`), stopped gracefully by PID even when a
+test fails; the module fails if a stop left anything in ``/dev/shm``. Every sync is checked to change what
 the server generates, then to make it generate exactly the trainer's greedy tokens (float32
 logprobs within 1e-3).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -28,7 +22,7 @@ from peft import LoraConfig, get_peft_model
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMMultiprocEngine
-from weightsync.engines.vllm.server import WORKER_EXTENSION, EngineBrokenError, VLLMServerEngine
+from weightsync.engines.vllm.server import EngineBrokenError, VLLMServerEngine
 from weightsync.engines.vllm.weight_transfer import (
     LLMWeightSyncClient,
     VLLMBackendTransport,
@@ -42,99 +36,17 @@ LORA = {
     "lora_alpha": 16,
     "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
 }
-START_TIMEOUT_S = 420
 TPS = (1, 2)
 INNERS = ("files", "gloo")
-SHM_PREFIXES = ("weightsync-", "vllm_dist_", "psm_")
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_in_use(pid: int) -> set[str]:
-    """The /dev/shm files a process tree maps or holds open."""
-    found: set[str] = set()
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return found
-    for p in procs:
-        try:
-            paths = [m.path for m in p.memory_maps()] + [f.path for f in p.open_files()]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        found.update(x for x in paths if x.startswith("/dev/shm/"))
-    return found
-
-
-class Server:
-    """A ``vllm serve`` process group of our own running the "weightsync" (or another)
-    weight-transfer backend, stopped by its PID."""
-
-    def __init__(self, checkpoint: str, tp: int, log: Path, backend: str = "weightsync") -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server always runs its core apart
-        if tp == 2:
-            env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        if backend == "ipc":
-            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled over HTTP
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", checkpoint, "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
-            "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp),
-            "--worker-extension-cls", WORKER_EXTENSION,
-            "--weight-transfer-config", f'{{"backend": "{backend}"}}',
-        ]  # fmt: skip
-        self.log = log
-        self.shm: set[str] = set()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait(self) -> None:
-        import requests
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.shm = _shm_in_use(self.proc.pid)
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve not up after {START_TIMEOUT_S}s: {self.tail()}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-30:])
-
-    def stop(self) -> list[str]:
-        """Stop the process group; remove and return the /dev/shm files it left."""
-        if self.proc.poll() is None:
-            self.shm |= _shm_in_use(self.proc.pid)
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        left = sorted(p for p in self.shm if os.path.exists(p))
-        for p in left:
-            os.unlink(p)
-        return left
+def wt_server(checkpoint: str, log, tp: int = 1, backend: str = "weightsync") -> T.VLLMServer:
+    """A server running the ``backend`` weight-transfer backend (and weightsync's extension)."""
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == "ipc" else {}  # pickled handles
+    args = ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
+    return T.VLLMServer(checkpoint, log, tp=tp, args=args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -146,20 +58,9 @@ def checkpoint(tmp_path_factory):
 def servers(checkpoint, tmp_path_factory):
     """One server per TP size, started together (start-up is the slow part)."""
     logs = tmp_path_factory.mktemp("logs")
-    started: dict[int, Server] = {}
-    try:
-        for tp in TPS:
-            started[tp] = Server(checkpoint, tp, logs / f"tp{tp}.log")
-        for s in started.values():
-            s.wait()
+    started = {tp: wt_server(checkpoint, logs / f"tp{tp}.log", tp) for tp in TPS}
+    with T.serving(*started.values()):
         yield started
-    finally:
-        leaked = {tp: s.stop() for tp, s in started.items()}
-    # vLLM's TP>1 CPU communicator leaves its vllm_dist_* segments after SIGTERM (removed above).
-    ours = [p for left in leaked.values() for p in left if "/weightsync-" in p]
-    assert not ours, f"weightsync left /dev/shm entries: {ours}"
-    if any(leaked.values()):
-        print(f"\nremoved /dev/shm entries the servers left: {leaked}")
 
 
 @pytest.fixture(scope="module")
@@ -336,44 +237,9 @@ def moe_model(seed):
 def multiproc_llm(tmp_path_factory):
     """A ``vllm.LLM`` on a MoE model with vLLM's default multiprocess engine core, running the
     backend."""
-    import vllm.envs
-    from vllm import LLM
-
-    env = pytest.MonkeyPatch()
-    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the default, which .ci/env turns off
-    vllm.envs.disable_envs_cache()
     checkpoint = T.save_checkpoint(moe_model(seed=0), tmp_path_factory.mktemp("moe") / "ck")
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
-    llm = None
-    try:
-        llm = LLM(
-            model=checkpoint,
-            worker_extension_cls=WORKER_EXTENSION,
-            weight_transfer_config={"backend": "weightsync"},
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=256,
-            kv_cache_memory_bytes=64 << 20,
-            seed=0,
-        )
+    with T.multiproc_llm(checkpoint, weight_transfer_config={"backend": "weightsync"}) as llm:
         yield llm
-    finally:
-        started = [p for p in me.children(recursive=True) if p.pid not in before]
-        shm = set().union(set(), *(_shm_in_use(p.pid) for p in started))
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-        for p in started:
-            if p.is_running():
-                os.kill(p.pid, signal.SIGKILL)
-        env.undo()
-        vllm.envs.disable_envs_cache()
-    left = sorted(p for p in shm if os.path.exists(p))
-    for p in left:
-        os.unlink(p)
-    if left:
-        print(f"\nremoved /dev/shm entries the LLM's processes left: {left}")
 
 
 def test_multiprocess_llm_through_its_own_methods(multiproc_llm):
@@ -398,15 +264,11 @@ def test_vllm_gpu_backends(checkpoint, tmp_path, backend):
     """vLLM's own backends fed weightsync's buckets (never run on the CPU machines)."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
-    server = Server(checkpoint, 1, tmp_path / "gpu.log", backend=backend)
-    engine = None
-    try:
-        server.wait()
+    with T.serving(wt_server(checkpoint, tmp_path / "gpu.log", backend=backend)) as (server,):
         client = HTTPVLLMWeightSyncClient(server.url)
         engine = VLLMServerEngine(server.url, transport=VLLMBackendTransport(client, backend))
-        sync_and_check(FullSync(), full_model(seed=90), engine)
-        sync_and_check(FullSync(lora="merge"), lora_model(seed=91), engine)
-    finally:
-        if engine is not None:
+        try:
+            sync_and_check(FullSync(), full_model(seed=90), engine)
+            sync_and_check(FullSync(lora="merge"), lora_model(seed=91), engine)
+        finally:
             engine.close()
-        server.stop()

