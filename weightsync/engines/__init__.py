@@ -5,14 +5,29 @@ Importing this package does not import vLLM: the adapter imports it when it is c
 """
 
 from .base import Engine, adapt, register
-from .vllm import Replicas, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
+from .vllm import (
+    GlooTransport,
+    LLMWeightSyncClient,
+    Replicas,
+    TmpfsTransport,
+    VLLMBackendTransport,
+    VLLMEngine,
+    VLLMMultiprocEngine,
+    VLLMServerEngine,
+    WeightTransferTransport,
+)
 
 __all__ = [
     "Engine",
+    "GlooTransport",
+    "LLMWeightSyncClient",
     "Replicas",
+    "TmpfsTransport",
+    "VLLMBackendTransport",
     "VLLMEngine",
     "VLLMMultiprocEngine",
     "VLLMServerEngine",
+    "WeightTransferTransport",
     "adapt",
     "register",
 ]
