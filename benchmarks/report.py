@@ -117,10 +117,13 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         )
     if "server_tmpfs" in med and "full_dense" in med:
         ratio = med["server_tmpfs"] / med["full_dense"]
-        gloo = (
-            f"; gloo {med['server_gloo']:.3f} s ({med['server_gloo'] / med['full_dense']:.2f}x)"
-            if "server_gloo" in med
-            else ""
+        gloo = "".join(
+            f"; {label} {med[key]:.3f} s ({med[key] / med['full_dense']:.2f}x)"
+            for key, label in (
+                ("server_gloo", "gloo"),
+                ("server_wt_files", "weight-transfer files"),
+            )
+            if key in med
         )
         out.append(
             {

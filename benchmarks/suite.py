@@ -19,6 +19,7 @@ import cProfile
 import functools
 import gc
 import io
+import os
 import pstats
 import time
 from collections.abc import Callable, Iterator
@@ -200,6 +201,15 @@ ROWS: list[Row] = [
         "VLLMServerEngine(transport='gloo'): buckets broadcast over a gloo process group",
     ),
     Row(
+        "server_wt_files",
+        "FullSync dense -> vllm serve (weight-transfer API, files)",
+        "weightsync",
+        "server_wt_files",
+        "dense",
+        "WeightTransferTransport(client, 'files'): vLLM's weight-transfer routes to weightsync's "
+        "backend, the next bucket written while the server loads the last",
+    ),
+    Row(
         "replicas_1",
         "FullSync dense -> Replicas(1 server, tmpfs)",
         "weightsync",
@@ -220,7 +230,7 @@ ROW_KEYS = [r.key for r in ROWS]
 NATIVE_ROW = "vllm_reload"
 FLOOR_ROW = "memcpy"
 FLOOR_ROWS = ("memcpy", "memcpy_untied")
-SERVER_ROWS = ("server_tmpfs", "server_gloo", "replicas_1", "replicas_2")
+SERVER_ROWS = ("server_tmpfs", "server_gloo", "server_wt_files", "replicas_1", "replicas_2")
 # Each row's time is also given over the vLLM-native row of its own model.
 NATIVE_OF = {"main": NATIVE_ROW, "untied": "vllm_reload_untied"}
 
@@ -261,7 +271,7 @@ class Bench:
         self._untied_checkpoint_lp: Any = None
         self._untied_checkpoint_greedy: list[int] = []
         self._engines: dict[str, Any] = {}
-        self._servers: Any = None
+        self._servers: dict[str, Any] = {}
         self._server_error: str | None = None
         self._packed: dict[str, str] | None = None
         self._memcpy: dict[str, anchors.MemcpyFloor] = {}
@@ -345,36 +355,53 @@ class Bench:
 
         from .servers import ServerPool
 
+        # The single-server rows get a server on every core, like the in-process engine they
+        # are compared with; the fan-out rows get two servers on one core each, as replicas on
+        # their own hardware would be. One pool at a time (rows run in this order).
+        cores = os.cpu_count() or 1
+        pool = "pair" if which.startswith("replicas") else "single"
+        binds = [str(i % cores) for i in range(2)] if pool == "pair" else [f"0-{cores - 1}"]
         if self._server_error is not None:  # one failed start fails every server row
             raise RuntimeError(f"the vllm serve processes did not start: {self._server_error}")
-        if self._servers is None:
-            self.log(f"[bench] starting 2 vllm serve processes on {self.spec.name}")
+        if pool not in self._servers:
+            self.stop_servers()
+            self.log(f"[bench] starting {len(binds)} vllm serve on cores {binds}: {self.spec.name}")
             t = time.perf_counter()
             try:
-                self._servers = ServerPool(self.spec, 2, logdir=self.workdir / "server-logs")
+                self._servers[pool] = ServerPool(
+                    self.spec, binds, logdir=self.workdir / "server-logs"
+                )
             except Exception as e:
                 self._server_error = f"{type(e).__name__}: {e}"
                 raise
             self.log(f"[bench] servers ready in {time.perf_counter() - t:.1f} s")
-        a, b = self._servers.urls
+        urls = self._servers[pool].urls
         if which == "server_tmpfs":
-            return VLLMServerEngine(a, transport="tmpfs")
+            return VLLMServerEngine(urls[0], transport="tmpfs")
         if which == "server_gloo":
-            return VLLMServerEngine(a, transport="gloo")
-        first = self._engines.get("server_tmpfs") or VLLMServerEngine(a, transport="tmpfs")
+            return VLLMServerEngine(urls[0], transport="gloo")
+        if which == "server_wt_files":
+            from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+            from weightsync.engines import WeightTransferTransport
+
+            client = HTTPVLLMWeightSyncClient(urls[0])
+            return VLLMServerEngine(urls[0], transport=WeightTransferTransport(client, "files"))
+        first = self._engines.get("replicas_1")
+        first = first.engines[0] if first else VLLMServerEngine(urls[0], transport="tmpfs")
         if which == "replicas_1":
             return Replicas([first])
-        return Replicas([first, VLLMServerEngine(b, transport="tmpfs")])
+        return Replicas([first, VLLMServerEngine(urls[1], transport="tmpfs")])
 
     def stop_servers(self) -> None:
         """Close the server engines (their /dev/shm folders, gloo groups), stop the servers."""
         for key in SERVER_ROWS:
             eng = self._engines.pop(key, None)
             for each in getattr(eng, "engines", [eng] if eng else []):
-                each.close()  # idempotent: replicas_* share server_tmpfs's engine
-        if self._servers is not None:
-            self._servers.stop()
-            self._servers = None
+                each.close()  # idempotent: the replicas rows share their first engine
+        for pool in self._servers.values():
+            pool.stop()
+        self._servers.clear()
 
     def close(self) -> None:
         self.stop_servers()
