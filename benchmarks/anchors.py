@@ -4,7 +4,7 @@ Each is named after the practice it imitates and returns ``(bytes_sent, engine_c
 phases)``: the phases of benchmarks/phases.py, timed around the trainer-side work and the
 engine calls.
 
-- :func:`per_module_rpc` -- TRL / OpenRLHF: one engine call per parameter. Their call is
+- `per_module_rpc` -- TRL / OpenRLHF: one engine call per parameter. Their call is
   ``model.load_weights([(name, tensor)])`` straight into the engine's model, which fails on the
   CPU backend (repacked parameters have shape ``(0,)``) and corrupts post-processed weights on
   GPU (vllm#42821). The valid equivalent is one ``collective_rpc("reload_weights")`` per call.
@@ -15,12 +15,12 @@ engine calls.
   one call per vLLM parameter group (146 calls for 290 tensors on the 0.5B shape): as close to
   per-tensor as vLLM allows, and each call pays vLLM's per-reload set-up over the whole model,
   which is exactly the per-call overhead per-tensor RPC trainers pay.
-- :func:`inplace_merge_push` -- ms-swift / TRL: ``merge_adapter()`` into the trainer's own
+- `inplace_merge_push` -- ms-swift / TRL: ``merge_adapter()`` into the trainer's own
   weights, push the base, ``unmerge_adapter()``. In bf16 the round trip does not restore the
   weights exactly (trl#6688): see the drift figure.
-- :func:`vllm_reload` -- vLLM's own ``reload_weights`` from its (page-cached) checkpoint folder:
+- `vllm_reload` -- vLLM's own ``reload_weights`` from its (page-cached) checkpoint folder:
   the fastest full restore vLLM itself offers, and the same code path every push goes through.
-- :func:`memcpy_floor` -- copy the same bytes into preallocated tensors: the memory-bandwidth
+- `memcpy_floor` -- copy the same bytes into preallocated tensors: the memory-bandwidth
   floor no sync can beat.
 """
 
@@ -168,7 +168,7 @@ def _numel(shape) -> int:
 
 
 class MemcpyFloor:
-    """Preallocated destinations for the trainer's tensors; :meth:`__call__` copies into them."""
+    """Preallocated destinations for the trainer's tensors; `__call__` copies into them."""
 
     def __init__(self, model: nn.Module, engine) -> None:
         self.src = [t for _, t in trainer_pairs(model, engine)]

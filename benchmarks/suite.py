@@ -239,7 +239,7 @@ class Bench:
     """Holds the models and engines of one benchmark run.
 
     ``untied``: the untied twin of ``spec`` (its rows are skipped without one). Servers for the
-    out-of-process rows are started at the first such row and stopped by :meth:`close`.
+    out-of-process rows are started at the first such row and stopped by `close`.
     """
 
     def __init__(
@@ -554,7 +554,7 @@ class Bench:
     def check(self, row: Row) -> dict[str, Any]:
         """Does the engine now compute what the trainer computes? (and does a wrong model fail?)
 
-        The statistic of :func:`weightsync.verify.check_engine`: the engine's prompt logprobs
+        The statistic of `weightsync.verify.check_engine`: the engine's prompt logprobs
         (its top-8 and the prompt's token) at every position of the canary prompts, against
         the trainer's; mean and largest difference within the dtype's tolerance. A one-step
         stale tied lm_head fails it (docs/failure-modes.md), so a row serving one fails.

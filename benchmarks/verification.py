@@ -14,8 +14,8 @@ the engine is brought to one of these states:
 - ``garbage``: a level-2 discard not restored (``testing.discard_weights``).
 
 Printed per case: min-max over seeds of verification's mean and largest ``|d logprob|`` (see
-:mod:`weightsync.verify`), of the previous metric (largest difference over 8 greedy tokens), and
-how many seeds :func:`weightsync.verify.check_engine` rejected. Figures go to
+`weightsync.verify`), of the previous metric (largest difference over 8 greedy tokens), and
+how many seeds `weightsync.verify.check_engine` rejected. Figures go to
 docs/failure-modes.md.
 """
 

@@ -55,7 +55,7 @@ def inner_model(model: nn.Module) -> nn.Module:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor. A sharded parameter (an FSDP2 ``DTensor``) is gathered: a collective
-    every rank must make, in the same order (:mod:`weightsync.distributed` sees to that)."""
+    every rank must make, in the same order (`weightsync.distributed` sees to that)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -68,7 +68,7 @@ def _plain(t: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
 def _lora_delta(layer: LoraLayer, adapter: str) -> torch.Tensor:
     """scale * (B @ A) for one adapter of one LoRA layer, in float32, in the base weight's layout.
 
-    Only the layer types :mod:`weightsync.peft_support` allows reach here (checked when the
+    Only the layer types `weightsync.peft_support` allows reach here (checked when the
     plan is made): a linear layer (``fan_in_fan_out`` for GPT-2's Conv1D) or an embedding.
     """
     scale = layer.scaling[adapter]
@@ -367,7 +367,7 @@ def adapter(model: nn.Module) -> Adapter:
 
     Raises:
         UnsupportedModelError: ``model`` is not a PEFT model, or its set-up cannot be served
-            exactly (see :func:`weightsync.peft_support.check`).
+            exactly (see `weightsync.peft_support.check`).
     """
     if not _is_peft(model):
         raise UnsupportedModelError(

@@ -6,17 +6,17 @@ worker process through a worker extension (tensors arrive pickled). So they take
 data -- a dict of tensors keyed as in ``adapter_model.safetensors``, the ``adapter_config.json``
 dict, ids -- and import nothing from the trainer side of weightsync.
 
-vLLM 0.32 has no public call for this: ``add_lora`` reads a folder. :func:`build_lora_model`
+vLLM 0.32 has no public call for this: ``add_lora`` reads a folder. `build_lora_model`
 therefore does what ``WorkerLoRAManager._load_adapter`` does after reading the files (PEFTHelper
 from the config, the same legality checks, ``LoRAModel.from_lora_tensors``), and
-:func:`install_adapter` does what the LRU manager's ``add_adapter`` does for
+`install_adapter` does what the LRU manager's ``add_adapter`` does for
 ``load_inplace=True``: build first (a bad adapter leaves the served one alone), then remove the
 adapter with that id, add, activate. Both follow vLLM private internals of that version; a
-version without them is detected by :func:`supports_memory_load`, and the caller falls back to
+version without them is detected by `supports_memory_load`, and the caller falls back to
 the folder.
 
 Serving and staleness. Requests name the adapter with a ``LoRARequest`` whose ``lora_path`` is
-:func:`memory_lora_path`: an absolute path that never exists. While the adapter is loaded vLLM
+`memory_lora_path`: an absolute path that never exists. While the adapter is loaded vLLM
 finds it by id and never reads the path. When it is not -- vLLM dropped every adapter after a
 base weight reload (``reset_lora_state``), or the LRU cache evicted it -- vLLM tries to load it
 from that path and the request fails with "No adapter found for /weightsync-in-memory/...",
@@ -69,7 +69,7 @@ _INNER_ATTRS = (
 
 
 def supports_memory_load(worker: Any) -> bool:
-    """Whether this worker's vLLM has the internals :func:`install_adapter` relies on; if not,
+    """Whether this worker's vLLM has the internals `install_adapter` relies on; if not,
     the caller loads the adapter from a folder instead."""
     from vllm.lora import lora_model
     from vllm.lora.peft_helper import PEFTHelper

@@ -1,8 +1,8 @@
 """vLLM engines in other processes: a ``vllm serve`` server, a multiprocess ``vllm.LLM``.
 
-One engine class, :class:`RemoteVLLMEngine`, with two pluggable halves:
+One engine class, `RemoteVLLMEngine`, with two pluggable halves:
 
-- a *control plane* (:class:`HTTPControl` for a server, :class:`LLMControl` for a multiprocess
+- a *control plane* (`HTTPControl` for a server, `LLMControl` for a multiprocess
   ``LLM``): pause/resume, prefix-cache reset, adapter load/unload by name, generation, sleep,
   and ``collective_rpc`` into weightsync's worker extension (``worker.py``);
 - a *transport* for the bytes (``transport.py``): tmpfs files or a gloo process group.
@@ -11,7 +11,7 @@ Every write: pause (in-flight requests are kept, not dropped), write, reset the 
 resume. If the write fails part-way the workers have already restored their unfinished layers,
 so the engine serves a mix of old and new weights: it is resumed, the base is marked unsynced
 (only a full restore may follow) and the error is raised. If even that recovery fails the
-engine is left paused -- never resume a broken engine -- and :class:`EngineBrokenError` says so.
+engine is left paused -- never resume a broken engine -- and `EngineBrokenError` says so.
 
 The engine's facts (dtype, expected weights, tied names, LoRA rank limit and modules) come from
 the worker extension, read from the model vLLM built, not from the caller.
@@ -20,7 +20,7 @@ A *stock* server (no worker extension) is reached too, with ``transport="tmpfs"`
 come from its dev-mode ``/server_info`` and the model folder it serves, and bytes go through
 vLLM's own ``reload_weights(weights_path=...)``. Every byte is written to tmpfs before the server
 is touched; but if vLLM's reload then fails, nothing can restore its unfinished layers, so the
-server is left paused (:class:`EngineBrokenError`).
+server is left paused (`EngineBrokenError`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Control(ABC):
     def score(
         self, prompts: list[list[int]], top_k: int, lora: str | None
     ) -> list[list[dict[int, float]]]:
-        """Prompt logprobs (see :meth:`Engine.score_batch`), with the adapter under ``lora``."""
+        """Prompt logprobs (see `Engine.score_batch`), with the adapter under ``lora``."""
 
     @abstractmethod
     def is_sleeping(self) -> bool: ...
@@ -278,11 +278,11 @@ class RemoteVLLMEngine(Engine):
     """A vLLM engine in other processes, reached through ``control``, bytes via ``transport``.
 
     Args:
-        control: the control plane (:class:`HTTPControl`, :class:`LLMControl`).
+        control: the control plane (`HTTPControl`, `LLMControl`).
         transport: ``"tmpfs"`` (same host), ``"gloo"`` (any host), or a
-            :class:`~weightsync.engines.vllm.transport.Transport`.
+            `Transport`.
         adapter_dir: where adapter versions are written; the engine must read it at the same
-            path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by :meth:`close`.
+            path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`.
         lora_name: the name the served adapter is loaded under (requests use it as ``model``).
     """
 
@@ -563,7 +563,7 @@ class VLLMServerEngine(RemoteVLLMEngine):
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
         transport: ``"tmpfs"`` (same host or shared filesystem) or ``"gloo"`` (any host).
-        **kwargs: see :class:`RemoteVLLMEngine`.
+        **kwargs: see `RemoteVLLMEngine`.
     """
 
     name = "vllm-server"
@@ -691,15 +691,15 @@ class Replicas(Engine):
 
     Every check a strategy makes (names, shapes, adapter rank and modules, sleep state) runs
     against every replica before anything is written, because this engine's facts are the
-    replicas' common facts and :meth:`check_adapter` / :meth:`check_writable` ask each one.
+    replicas' common facts and `check_adapter` / `check_writable` ask each one.
     Each bucket is produced (merged, cast) once and handed to every replica: one thread per
     replica consumes it, at most two buckets in flight. If producing fails, or any replica fails,
     the others are stopped part-way and recover as on any failed write (their base is marked
     unsynced), and the first error is raised.
 
     Args:
-        engines: the replicas (any :class:`~weightsync.engines.Engine`, or raw engines that
-            :func:`~weightsync.engines.adapt` accepts); they must agree on dtype, expected
+        engines: the replicas (any `Engine`, or raw engines that
+            `adapt` accepts); they must agree on dtype, expected
             weights, tied names and whether they serve LoRA.
     """
 
@@ -804,7 +804,7 @@ class Replicas(Engine):
 
     def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
         """Replica 0's prompt logprobs (verification then checks replica 0 thoroughly;
-        :meth:`greedy_batch` checks that every replica agrees with it)."""
+        `greedy_batch` checks that every replica agrees with it)."""
         return self.engines[0].score_batch(prompts, top_k)
 
     # --- lifecycle: each replica keeps its own sleep state; this one is their union --------------

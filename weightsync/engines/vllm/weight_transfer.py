@@ -6,16 +6,16 @@ vLLM 0.32 exposes a four-call weight-update protocol: ``init_weight_transfer_eng
 '{"backend": ...}'``). The bytes travel through a *backend* that vLLM creates in every worker.
 This module is both halves of weightsync's backend, plus the trainer half of vLLM's own GPU ones:
 
-- :class:`WeightsyncTransferEngine` (worker side, registered as backend ``"weightsync"``):
+- `WeightsyncTransferEngine` (worker side, registered as backend ``"weightsync"``):
   receives checkpoint-format buckets as safetensors files in a folder named by each chunk
   (same host or shared filesystem), or over a gloo process group (trainer rank 0, workers
   1..N; works across hosts on CPU), and loads them with vLLM's layerwise reload between
   ``start_weight_update`` and ``finish_weight_update``.
-- :class:`WeightTransferTransport` (trainer side): a weightsync ``Transport`` that drives the
+- `WeightTransferTransport` (trainer side): a weightsync ``Transport`` that drives the
   four calls through any ``VLLMWeightSyncClient`` (vLLM's ``HTTPVLLMWeightSyncClient(url)``, or
-  :class:`LLMWeightSyncClient` for an ``LLM``), so ``VLLMServerEngine(url,
+  `LLMWeightSyncClient` for an ``LLM``), so ``VLLMServerEngine(url,
   transport=WeightTransferTransport(client))`` syncs through the weight-transfer routes.
-- :class:`VLLMBackendTransport` (trainer side, CUDA only): vLLM's own ``nccl``/``ipc`` backends,
+- `VLLMBackendTransport` (trainer side, CUDA only): vLLM's own ``nccl``/``ipc`` backends,
   fed weightsync's planned buckets.
 
 Why the worker side never raises from vLLM's four calls: vLLM's multiprocess executor stops
@@ -31,7 +31,7 @@ engine marks its base unsynced, so only a full sync may follow.
 
 Registration: the backend must be registered in every worker process before vLLM builds it
 (``Worker.load_model``). ``worker.py`` imports this module, and vLLM imports ``worker.py`` in each
-worker (``--worker-extension-cls``); see :func:`register` for how this stays free of a vLLM
+worker (``--worker-extension-cls``); see `register` for how this stays free of a vLLM
 import in a trainer that never uses it.
 """
 
@@ -57,16 +57,14 @@ from typing import Any
 import torch
 
 from ...plan import Bucket
-from .transport import Rpc, Transport, _dedup, _tmpfs
+from .transport import Rpc, Transport, _tmpfs, broadcast_bucket, save_bucket, send_frame
 from .worker import (
     ALIASES_KEY,
     FRAME_ABORT,
-    FRAME_BUCKET,
     FRAME_END,
     GlooReceiver,
     _gloo_device,
     abandon_layerwise_reload,
-    broadcast,
     gloo_group,
     has_cpu_moe,
     repack_cpu_moe,
@@ -87,7 +85,7 @@ _FACTORY = "vllm.distributed.weight_transfer.factory"
 
 
 def register() -> None:
-    """Register :class:`WeightsyncTransferEngine` with vLLM's worker-side factory as
+    """Register `WeightsyncTransferEngine` with vLLM's worker-side factory as
     ``"weightsync"``. Idempotent: safe in every process, as often as it is called."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -354,7 +352,7 @@ def _make_engine_class() -> type:
 
 def __getattr__(name: str) -> Any:
     """``WeightsyncTransferEngine`` is built on first access: its base class is vLLM's, and
-    importing this module must not import vLLM (see :func:`register`)."""
+    importing this module must not import vLLM (see `register`)."""
     if name == "WeightsyncTransferEngine":
         cls = _make_engine_class()
         cls.__module__, cls.__qualname__ = __name__, name
@@ -392,45 +390,6 @@ class LLMWeightSyncClient:
         self.llm.shutdown_weight_transfer_engine()
 
 
-def _save_bucket(bucket: Bucket, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    unique, aliases = _dedup(bucket)  # safetensors refuses shared storage: tied names as aliases
-    save_file(
-        {k: v.contiguous() for k, v in unique.items()},
-        str(path),
-        metadata={ALIASES_KEY: json.dumps(aliases)},
-    )
-
-
-def _frame(group: Any, kind: int, meta_len: int = 0, payload_len: int = 0) -> None:
-    broadcast(group, torch.tensor([kind, meta_len, payload_len], dtype=torch.int64))
-
-
-def _broadcast_bucket(group: Any, bucket: Bucket) -> None:
-    """One bucket as a frame of ``worker.GlooReceiver``'s format: a header, the JSON metadata
-    (every name, tied twins pointing at the same bytes), one flat payload."""
-    unique, aliases = _dedup(bucket)
-    meta, total = [], 0
-    for name, tensor in unique.items():
-        n = tensor.numel() * tensor.element_size()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        meta += [
-            [each, dtype, list(tensor.shape), total, n] for each in [name, *aliases.get(name, [])]
-        ]
-        total += n
-    payload = torch.empty(total, dtype=torch.uint8)
-    offset = 0
-    for tensor in unique.values():
-        n = tensor.numel() * tensor.element_size()
-        payload[offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-        offset += n
-    meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-    _frame(group, FRAME_BUCKET, meta_bytes.numel(), total)
-    broadcast(group, meta_bytes)
-    broadcast(group, payload)
-
-
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -458,15 +417,15 @@ class WeightTransferTransport(Transport):
     trainer fails part-way it tells the workers to abandon the update before finishing it.
 
     ``finish_weight_update`` does not reset vLLM's prefix cache (measured): the engine's write
-    path (``RemoteVLLMEngine``) pauses, sends, resets it and resumes around :meth:`send`.
+    path (``RemoteVLLMEngine``) pauses, sends, resets it and resumes around `send`.
 
     Args:
         client: a ``VLLMWeightSyncClient``: vLLM's ``HTTPVLLMWeightSyncClient(url)`` for a server
             started with ``--weight-transfer-config '{"backend": "weightsync"}'``, or
-            :class:`LLMWeightSyncClient` for an ``LLM(weight_transfer_config=...)``.
+            `LLMWeightSyncClient` for an ``LLM(weight_transfer_config=...)``.
         inner: ``"files"`` (same host or a shared filesystem) or ``"gloo"`` (any host).
         root: files: a folder the workers read at the same path; defaults to a fresh
-            ``/dev/shm/weightsync-*`` folder, removed by :meth:`close`.
+            ``/dev/shm/weightsync-*`` folder, removed by `close`.
         host: gloo: address the trainer listens on and the workers connect to.
         port: gloo: the rendezvous port (0: a free one).
         timeout_s: gloo: how long an operation waits for a peer before failing.
@@ -580,7 +539,7 @@ class WeightTransferTransport(Transport):
         try:
             for i, bucket in enumerate(buckets):
                 path = folder / f"bucket-{i:05d}.safetensors"
-                _save_bucket(bucket, path)
+                save_bucket(bucket, path)
                 if loading is not None and previous is not None:
                     loading.result()
                     previous.unlink()
@@ -611,14 +570,14 @@ class WeightTransferTransport(Transport):
                 if received.done():  # the server refused the chunk: nobody is receiving
                     received.result()
                     raise RuntimeError("the engine's workers stopped receiving part-way")
-                _broadcast_bucket(self._group, bucket)
-            _frame(self._group, FRAME_END)
+                broadcast_bucket(self._group, bucket)
+            send_frame(self._group, FRAME_END)
             received.result()
             return None
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
             if not received.done():
                 try:
-                    _frame(self._group, FRAME_ABORT)
+                    send_frame(self._group, FRAME_ABORT)
                 except Exception:
                     logger.exception("weightsync: sending the abort frame failed")
             received.exception()
@@ -712,7 +671,7 @@ class VLLMBackendTransport(Transport):
     Not run on this project's CPU machines: its test is skipped without CUDA.
 
     Args:
-        client: a ``VLLMWeightSyncClient`` (see :class:`WeightTransferTransport`).
+        client: a ``VLLMWeightSyncClient`` (see `WeightTransferTransport`).
         backend: ``"nccl"`` (any host) or ``"ipc"`` (same GPUs' host).
         master_address: nccl: the address the trainer listens on.
         master_port: nccl: the rendezvous port (0: a free one).

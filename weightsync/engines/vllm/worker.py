@@ -2,7 +2,7 @@
 
 vLLM imports this module inside each of its worker processes when started with
 ``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker`` (or
-``LLM(worker_extension_cls=...)``) and mixes :class:`WeightsyncWorker` into its worker class.
+``LLM(worker_extension_cls=...)``) and mixes `WeightsyncWorker` into its worker class.
 Its methods are then reachable with ``collective_rpc`` (``POST /collective_rpc`` on a server
 started with ``VLLM_SERVER_DEV_MODE=1``), which runs them on every worker (every TP rank) and
 passes JSON arguments only: tensors cannot travel that way, so bytes come through a transport
