@@ -45,6 +45,7 @@ from .worker import (
     lora_modules,
     repack_cpu_moe,
     shared_parameter_names,
+    tied_weights,
 )
 
 
@@ -195,17 +196,8 @@ class VLLMEngine(Engine):
         # A tied engine shares one parameter between lm_head and embed_tokens, and the
         # checkpoint stores it once. vLLM's layerwise reload restores each module on its own,
         # so the twin left out of the stream keeps its old values: both names must be sent.
-        self._twins: dict[str, list[str]] = {}  # checkpoint name -> names sharing it
-        self._shared: list[tuple[str, ...]] = []
-        for names in llm.apply_model(shared_parameter_names)[0]:
-            known = [n for n in names if n in shapes]
-            if not known:
-                continue
-            for name in names:
-                if name not in shapes:
-                    shapes[name] = shapes[known[0]]
-                    self._twins.setdefault(known[0], []).append(name)
-            self._shared.append(tuple(names))
+        shared, self._twins = tied_weights(llm.apply_model(shared_parameter_names)[0], shapes)
+        self._shared: list[tuple[str, ...]] = [tuple(names) for names in shared]
         self._expected = shapes
         self._adapter_root = Path(adapter_dir) if adapter_dir else scratch_dir(self, "adapter")
         self.lora_id = lora_id

@@ -27,7 +27,7 @@ import tempfile
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,29 @@ def broadcast_bucket(group: Any, bucket: Bucket) -> None:
     send_frame(group, FRAME_BUCKET, meta_bytes.numel(), total)
     broadcast(group, meta_bytes)
     broadcast(group, payload)
+
+
+def open_gloo_group(
+    host: str, port: int, size: int, timeout_s: float, join: Callable[[int], Future]
+) -> tuple[Any, Any]:
+    """Rank 0 of a gloo process group of ``size`` (trainer + workers): listen on ``host:port``
+    (0: a free port), start the workers joining with ``join(store_port)`` (a future: their RPC
+    runs while this rank blocks in the rendezvous), and return ``(group, store)`` (keep both).
+    A worker's error (no extension, unreachable host) is raised rather than the rendezvous'
+    timeout it causes."""
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, size, True, timeout=timeout, wait_for_workers=False)
+    joined = join(store.port)
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [_gloo_device(host)]
+    try:
+        group = ProcessGroupGloo(store, 0, size, options)
+    finally:
+        joined.result()
+    return group, store
 
 
 class Transport(ABC):
@@ -206,27 +229,18 @@ class GlooTransport(Transport):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
 
     def connect(self, rpc: Rpc, world_size: int) -> None:
-        from torch.distributed import ProcessGroupGloo, TCPStore
+        def join(port: int) -> Future:
+            kwargs = {
+                "host": self.host,
+                "port": port,
+                "world_size": world_size + 1,
+                "timeout_s": self.timeout_s,
+            }
+            return self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
 
-        size = world_size + 1
-        timeout = timedelta(seconds=self.timeout_s)
-        self._store = TCPStore(
-            self.host, self.port, size, True, timeout=timeout, wait_for_workers=False
+        self._group, self._store = open_gloo_group(
+            self.host, self.port, world_size + 1, self.timeout_s, join
         )
-        kwargs = {
-            "host": self.host,
-            "port": self._store.port,
-            "world_size": size,
-            "timeout_s": self.timeout_s,
-        }
-        joined = self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
-        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = timeout
-        options._devices = [_gloo_device(self.host)]
-        try:
-            self._group = ProcessGroupGloo(self._store, 0, size, options)
-        finally:
-            joined.result()  # a worker's error (no extension, unreachable host) is the real one
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
         if self._group is None:

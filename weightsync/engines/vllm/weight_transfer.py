@@ -50,20 +50,26 @@ import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...plan import Bucket
-from .transport import Rpc, Transport, _tmpfs, broadcast_bucket, save_bucket, send_frame
+from .transport import (
+    Rpc,
+    Transport,
+    _tmpfs,
+    broadcast_bucket,
+    open_gloo_group,
+    save_bucket,
+    send_frame,
+)
 from .worker import (
     ALIASES_KEY,
     FRAME_ABORT,
     FRAME_END,
     GlooReceiver,
-    _gloo_device,
     abandon_layerwise_reload,
     gloo_group,
     has_cpu_moe,
@@ -466,24 +472,17 @@ class WeightTransferTransport(Transport):
         if self.inner == "files":
             _call(self.client, "init_weight_transfer_engine", asdict(WeightsyncInitInfo()))
             return
-        from torch.distributed import ProcessGroupGloo, TCPStore
-
         size = world_size + 1
-        timeout = timedelta(seconds=self.timeout_s)
-        self._store = TCPStore(
-            self.host, self.port, size, True, timeout=timeout, wait_for_workers=False
-        )
-        info = WeightsyncInitInfo(
-            host=self.host, port=self._store.port, world_size=size, timeout_s=self.timeout_s
-        )
-        joined = self._pool.submit(_call, self.client, "init_weight_transfer_engine", asdict(info))
-        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = timeout
-        options._devices = [_gloo_device(self.host)]
-        try:
-            self._group = ProcessGroupGloo(self._store, 0, size, options)
-        finally:
-            joined.result()  # the server's error (no such backend, bad init) is the real one
+
+        def join(port: int) -> Future:
+            info = WeightsyncInitInfo(
+                host=self.host, port=port, world_size=size, timeout_s=self.timeout_s
+            )
+            return self._pool.submit(
+                _call, self.client, "init_weight_transfer_engine", asdict(info)
+            )
+
+        self._group, self._store = open_gloo_group(self.host, self.port, size, self.timeout_s, join)
 
     # --- one update -----------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ def shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
 
 
 def tied_weights(
-    groups: list[list[str]], shapes: dict[str, list[int]]
+    groups: list[list[str]], shapes: dict[str, Any]
 ) -> tuple[list[list[str]], dict[str, list[str]]]:
     """Fold tied-name ``groups`` into a checkpoint's ``shapes`` (name -> shape, updated in place):
     a name of a group the checkpoint lacks (it stores a tied tensor once) gets the shape of the
