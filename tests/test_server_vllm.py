@@ -210,6 +210,46 @@ def test_full_training(engines, tp, transport):
     assert chosen == ["FullSync"] * 3 and engine.served_adapter is None
 
 
+def test_a_request_in_flight_survives_a_sync(engines, servers):
+    """A write pauses the server with ``mode=keep``: a generation running when the sync starts is
+    held, then finished, not dropped (the sync must start while it runs, or this proves nothing)."""
+    import threading
+    import time
+
+    import requests
+
+    engine = engines(1, "tmpfs")
+    model = full_model(1, seed=60)
+    body = {
+        "model": engine.control.model,
+        "prompt": [[1, 2, 3, 4, 5]],
+        "max_tokens": 240,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    done: dict = {}
+
+    def generate() -> None:
+        r = requests.post(servers[1].url + "/v1/completions", json=body, timeout=600)
+        done.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+    stale = T.compare(model, engine)
+    assert stale["engine"] != stale["trainer"], "the server already matched the trainer"
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.2)  # admitted and decoding
+    started = time.monotonic()
+    assert "at" not in done, "the request finished before the sync began: nothing was tested"
+    FullSync().sync(model, engine)
+    thread.join(600)
+    T.assert_matches(model, engine, atol=ATOL)
+    assert done["status"] == 200, done
+    choice = done["body"]["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    assert done["body"]["usage"]["completion_tokens"] == 240
+    assert done["at"] > started
+
+
 @pytest.mark.parametrize("tp,transport", TABLE)
 def test_lora_merged(engines, tp, transport):
     """LoRA, the engine not serving it (rollout_lora=False): merged, at every sleep level."""
