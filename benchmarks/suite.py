@@ -496,6 +496,18 @@ class Bench:
 
         return step
 
+    def _row_fields(self, row: Row) -> dict[str, Any]:
+        """What identifies a row in the results, whether it ran or raised."""
+        return {
+            "key": row.key,
+            "label": row.label,
+            "kind": row.kind,
+            "engine": row.engine,
+            "spec": row.spec,
+            "model": self._model_name(row),
+            "note": row.note,
+        }
+
     def run_row(self, row: Row, repeats: int, tick: Callable[[], None]) -> dict[str, Any]:
         """Warm-up + ``repeats`` timed syncs, then the correctness check. A row that raises is
         recorded with its error (and fails correctness); the other rows still run."""
@@ -518,13 +530,7 @@ class Bench:
             self.log(f"[bench] {row.label} FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}")
             nan = float("nan")
             return {
-                "key": row.key,
-                "label": row.label,
-                "kind": row.kind,
-                "engine": row.engine,
-                "spec": row.spec,
-                "model": self._model_name(row),
-                "note": row.note,
+                **self._row_fields(row),
                 "error": f"{type(exc).__name__}: {str(exc).strip()}",
                 "seconds": {"median": nan, "min": nan, "max": nan, "runs": [], "warmup": None},
                 "peak_extra_bytes": {"max": 0, "median": 0, "runs": [], "warmup": None},
@@ -538,13 +544,7 @@ class Bench:
         sent, calls, rep, _ = runs.result
         summary = runs.summary()
         return {
-            "key": row.key,
-            "label": row.label,
-            "kind": row.kind,
-            "engine": row.engine,
-            "spec": row.spec,
-            "model": self._model_name(row),
-            "note": row.note,
+            **self._row_fields(row),
             **summary,
             "bytes": sent,
             "engine_calls": calls,

@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import pytest
 from peft import LoraConfig, get_peft_model
+from test_server_vllm import ATOL, LORA
 
 from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMMultiprocEngine, adapt
-
-ATOL = 1e-3
-LORA = {
-    "r": 8,
-    "lora_alpha": 16,
-    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
-}
 
 pytestmark = pytest.mark.timeout(900)
 

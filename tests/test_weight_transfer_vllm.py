@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from test_server_vllm import ATOL, LORA, _bad_stream, one_per_bucket
 
 from weightsync import FullSync
 from weightsync import testing as T
@@ -30,12 +31,6 @@ from weightsync.engines.vllm.weight_transfer import (
 )
 
 ARCH = "qwen2"  # tied embeddings: both names of the shared tensor must reach the engine
-ATOL = 1e-3
-LORA = {
-    "r": 8,
-    "lora_alpha": 16,
-    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
-}
 TPS = (1, 2)
 INNERS = ("files", "gloo")
 
@@ -143,22 +138,6 @@ def test_full_sync_dense(engines, tp, inner):
 def test_lora_merged(engines, tp, inner):
     engine = engines(tp, inner)
     sync_and_check(FullSync(lora="merge"), lora_model(seed=seed_of(tp, inner, 20)), engine)
-
-
-def one_per_bucket(model, engine):
-    """The model's weights in checkpoint (module) order, one tensor a bucket."""
-    state = model.state_dict()
-    return [[(name, state[name].detach())] for name in state if name in engine.expected_weights]
-
-
-def _bad_stream(model, engine, kind):
-    """The model's buckets, failing part-way through layer 0: the trainer raises, or a tensor
-    the workers reject (a name their model lacks) reaches them mid-reload."""
-    stream = one_per_bucket(model, engine)
-    yield from stream[:6]
-    if kind == "trainer":
-        raise RuntimeError("injected: the trainer failed producing the next bucket")
-    yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
 
 
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
