@@ -7,8 +7,8 @@ Three parts that add up to the sync's wall time:
   pulling tensors from weightsync's stream or serialising them: vLLM's load, layerwise
   processing and repacking, ``add_lora``/adapter install, and for a server the HTTP control
   calls (pause, reset, resume) and the workers' read of what was sent.
-- ``serialize``: safetensors writes (``safetensors.torch.save_file``: snapshots, tmpfs buckets,
-  adapter folders), gloo bucket packing and broadcast, and the reading of checkpoint files
+- ``serialize``: safetensors writes (``safetensors.torch.save_file``: snapshots, fresh tmpfs
+  buckets, adapter folders; the tmpfs transport's kept files), gloo bucket packing and broadcast, and the reading of checkpoint files
   that weightsync does itself (a tied model's ``ReloadWeights(checkpoint)``).
 - ``weightsync``: the rest -- the plan (reported alone too, ``plan``), producing tensors (merge,
   cast; ``produce``, time spent inside the engine pulling the stream), bookkeeping.
@@ -102,6 +102,10 @@ class Phases:
                 if transport is not None and hasattr(transport, "_send_bucket"):  # gloo
                     transport._send_bucket = self._timed(transport._send_bucket, "serialize")
                     undo.callback(delattr, transport, "_send_bucket")
+                kept = getattr(transport, "_kept", None)  # tmpfs: the kept files' writes
+                if kept is not None:
+                    kept._write = self._timed(kept._write, "serialize")
+                    undo.callback(delattr, kept, "_write")
             save_file = st.save_file
             st.save_file = self._timed(save_file, "serialize")
             undo.callback(setattr, st, "save_file", save_file)

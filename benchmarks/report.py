@@ -120,6 +120,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         gloo = "".join(
             f"; {label} {med[key]:.3f} s ({med[key] / med['full_dense']:.2f}x)"
             for key, label in (
+                ("server_tmpfs_fresh", "tmpfs, fresh files"),
                 ("server_gloo", "gloo"),
                 ("server_wt_files", "weight-transfer files"),
             )

@@ -190,7 +190,17 @@ ROWS: list[Row] = [
         "weightsync",
         "server_tmpfs",
         "dense",
-        "VLLMServerEngine(transport='tmpfs'): safetensors buckets in /dev/shm, reload in the server",
+        "VLLMServerEngine(transport='tmpfs'): safetensors buckets kept in /dev/shm and "
+        "rewritten in place, both sides keeping them mapped; loaded by the worker extension",
+    ),
+    Row(
+        "server_tmpfs_fresh",
+        "FullSync dense -> vllm serve (tmpfs, fresh files)",
+        "weightsync",
+        "server_tmpfs_fresh",
+        "dense",
+        "TmpfsTransport(keep=False): a new folder of safetensors buckets per sync, read and "
+        "removed",
     ),
     Row(
         "server_gloo",
@@ -230,7 +240,14 @@ ROW_KEYS = [r.key for r in ROWS]
 NATIVE_ROW = "vllm_reload"
 FLOOR_ROW = "memcpy"
 FLOOR_ROWS = ("memcpy", "memcpy_untied")
-SERVER_ROWS = ("server_tmpfs", "server_gloo", "server_wt_files", "replicas_1", "replicas_2")
+SERVER_ROWS = (
+    "server_tmpfs",
+    "server_tmpfs_fresh",
+    "server_gloo",
+    "server_wt_files",
+    "replicas_1",
+    "replicas_2",
+)
 # Each row's time is also given over the vLLM-native row of its own model.
 NATIVE_OF = {"main": NATIVE_ROW, "untied": "vllm_reload_untied"}
 
@@ -352,6 +369,7 @@ class Bench:
 
     def _server_engine(self, which: str):
         from weightsync.engines.vllm.server import Replicas, VLLMServerEngine
+        from weightsync.engines.vllm.transport import TmpfsTransport
 
         from .servers import ServerPool
 
@@ -378,6 +396,8 @@ class Bench:
         urls = self._servers[pool].urls
         if which == "server_tmpfs":
             return VLLMServerEngine(urls[0], transport="tmpfs")
+        if which == "server_tmpfs_fresh":
+            return VLLMServerEngine(urls[0], transport=TmpfsTransport(keep=False))
         if which == "server_gloo":
             return VLLMServerEngine(urls[0], transport="gloo")
         if which == "server_wt_files":

@@ -14,6 +14,8 @@ unlinks its shared memory); the module fails if a stop left anything in ``/dev/s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -94,8 +96,12 @@ def engines(servers):
     leftovers = [
         p
         for e in made.values()
-        for p in (e._adapter_root, getattr(e.transport, "root", None))
-        if p is not None and p.exists()
+        for p in (
+            e._adapter_root,
+            getattr(e.transport, "root", None),
+            e.adapter_path and Path(e.adapter_path).parent,  # the server's, over gloo
+        )
+        if p and p.exists()
     ]
     assert not leftovers, f"tmpfs folders left behind: {leftovers}"
 
@@ -306,7 +312,10 @@ def test_lora_served(engines, tp, transport):
         "AdapterSync",
     ]
     assert engine.served_adapter is not None
-    versions = sorted(engine._adapter_root.glob("adapter-v*"))
+    folder = Path(engine.adapter_path).parent
+    # over gloo the adapter went through the server's workers, as it would to another host
+    assert (folder == engine._adapter_root) == (transport == "tmpfs"), folder
+    versions = sorted(folder.glob("adapter-v*"))
     assert 1 <= len(versions) <= 2, f"old adapter folders kept: {versions}"
 
 

@@ -25,6 +25,7 @@ server is left paused (`EngineBrokenError`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -282,7 +283,8 @@ class RemoteVLLMEngine(Engine):
         transport: ``"tmpfs"`` (same host), ``"gloo"`` (any host), or a
             `Transport`.
         adapter_dir: where adapter versions are written; the engine must read it at the same
-            path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`.
+            path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`, or,
+            with the gloo transport, a folder on the engine's host the adapters are sent to.
         lora_name: the name the served adapter is loaded under (requests use it as ``model``).
     """
 
@@ -312,7 +314,11 @@ class RemoteVLLMEngine(Engine):
             if adapter_dir is None
             else None
         )
+        self._adapter_dir = adapter_dir
         self.lora_name = lora_name
+        #: Where the engine read the served adapter from (on its own host).
+        self.adapter_path: str | None = None
+        self._remote_adapters = False  # the workers wrote adapter folders: drop them on close
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._version = 0
@@ -488,33 +494,45 @@ class RemoteVLLMEngine(Engine):
             )
 
     def load_adapter(self, adapter: Adapter) -> int:
-        """Write the adapter to a new versioned folder, then unload the old one by name and load
+        """Put the adapter in a new versioned folder, then unload the old one by name and load
         the new one under the same name. Old folders are deleted once two newer versions exist:
-        a request admitted before a swap may still read its adapter's folder after it."""
+        a request admitted before a swap may still read its adapter's folder after it.
+
+        The folder is written here (``adapter_dir``, or this host's tmpfs) unless the transport
+        carries adapters to the engine's host (gloo, and no ``adapter_dir``)."""
         import json
 
         from safetensors.torch import save_file
 
         self.check_adapter(adapter)
         self._version += 1
-        folder = self._adapter_root / f"adapter-v{self._version:06d}"
-        folder.mkdir(parents=True)
-        save_file(
-            {k: v.contiguous() for k, v in adapter.tensors.items()},
-            str(folder / "adapter_model.safetensors"),
-        )
-        (folder / "adapter_config.json").write_text(json.dumps(adapter.config, default=str))
+        config = json.dumps(adapter.config, default=str)
+        tensors = {k: v.contiguous() for k, v in adapter.tensors.items()}
+        path = None
+        if self._adapter_dir is None:
+            path = self.transport.put_adapter(self._rpc, self._version, tensors, config)
+            self._remote_adapters |= path is not None
+        local = path is None
+        if local:
+            folder = self._adapter_root / f"adapter-v{self._version:06d}"
+            folder.mkdir(parents=True)
+            save_file(tensors, str(folder / "adapter_model.safetensors"))
+            (folder / "adapter_config.json").write_text(config)
+            path = str(folder)
+        assert path is not None
 
         def swap() -> None:
             self._served = None
             self.control.unload_lora(self.lora_name)
-            self.control.load_lora(self.lora_name, str(folder))
+            self.control.load_lora(self.lora_name, path)
             self._served = self.lora_name
 
         self._write("load_adapter", swap, base=False)
-        self._versions.append(folder)
-        while len(self._versions) > 2:
-            shutil.rmtree(self._versions.pop(0), ignore_errors=True)
+        self.adapter_path = path
+        if local:
+            self._versions.append(Path(path))
+            while len(self._versions) > 2:
+                shutil.rmtree(self._versions.pop(0), ignore_errors=True)
         return 1
 
     def _forget_adapter(self) -> None:
@@ -551,7 +569,12 @@ class RemoteVLLMEngine(Engine):
         self.control.wake_up(tags)
 
     def close(self) -> None:
-        """Release the transport and the adapter folders this engine created."""
+        """Release the transport and the adapter folders this engine created (here, and on
+        the engine's host if the transport carried them there)."""
+        if self._remote_adapters:
+            with contextlib.suppress(Exception):  # a server gone took its folders with it
+                self._rpc("weightsync_drop_adapters")
+            self._remote_adapters = False
         self.transport.close()
         if self._remove_adapter_root is not None:
             self._remove_adapter_root()

@@ -26,6 +26,10 @@ This module imports only torch, safetensors and (lazily) vLLM; nothing from the 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +43,23 @@ ALIASES_KEY = "weightsync.aliases"
 
 #: gloo stream frame kinds (first int64 of each frame header).
 FRAME_BUCKET, FRAME_END, FRAME_ABORT = 1, 0, -1
+
+#: safetensors dtype names of the dtypes weightsync writes and reads itself (``transport.py``
+#: refuses any other dtype before writing).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
@@ -181,6 +202,53 @@ def read_bucket_files(
                     yield other, tensor
 
 
+class MappedBuckets:
+    """The worker's half of the kept tmpfs files (``transport.KeptFiles``): each bucket file
+    stays mapped between syncs and its tensors are views into the mapping, so a sync costs one
+    copy (into vLLM's parameters) instead of page faults, a read into fresh memory and that copy.
+
+    A file is mapped again when the trainer replaced it (another inode or size: its layout
+    changed); the trainer never shrinks a file in place, so an old mapping is never read past its
+    end (SIGBUS), and an unlinked file's pages live until its mapping is dropped here.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[tuple[int, int], Any]] = {}
+
+    def read(self, folder: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor view) of every tensor of ``files`` (in ``folder``), aliases included."""
+        import mmap
+
+        paths = [os.path.join(folder, f) for f in files]
+        for gone in set(self._maps) - set(paths):
+            del self._maps[gone]  # its views are gone with the last reload; unmapped when freed
+        for path in paths:
+            st = os.stat(path)
+            key = (st.st_ino, st.st_size)
+            entry = self._maps.get(path)
+            if entry is None or entry[0] != key:
+                with open(path, "r+b") as f:  # shared and writable: torch.frombuffer needs both
+                    entry = (key, mmap.mmap(f.fileno(), 0))
+                self._maps[path] = entry
+            yield from _views(entry[1])
+
+
+def _views(buffer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file held in ``buffer``, as views (no copy)."""
+    size = int.from_bytes(buffer[:8], "little")
+    header = json.loads(bytes(buffer[8 : 8 + size]))
+    aliases: dict[str, list[str]] = json.loads(
+        header.pop("__metadata__", {}).get(ALIASES_KEY, "{}")
+    )
+    data = torch.frombuffer(buffer, dtype=torch.uint8)[8 + size :]
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        tensor = data[start:end].view(SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])
+        yield name, tensor
+        for other in aliases.get(name, []):
+            yield other, tensor
+
+
 def _gloo_device(host: str) -> Any:
     from torch.distributed import ProcessGroupGloo
 
@@ -260,6 +328,8 @@ class WeightsyncWorker:
     model_runner: Any
     rank: int
 
+    _weightsync_adapter_root: Path | None = None
+
     # --- facts ---------------------------------------------------------------------------------
 
     def weightsync_facts(self) -> dict[str, Any]:
@@ -314,9 +384,18 @@ class WeightsyncWorker:
             return _error(e)
         return None
 
-    def weightsync_load_files(self, folder: str) -> dict[str, str] | None:
-        """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport)."""
-        return self._weightsync_load(read_bucket_files(folder, {}))
+    def weightsync_load_files(
+        self, folder: str, files: list[str] | None = None
+    ) -> dict[str, str] | None:
+        """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport): the kept
+        ``files``, read through mappings held between syncs, or every file of a folder written
+        for this sync alone (``files`` None)."""
+        if files is None:
+            return self._weightsync_load(read_bucket_files(folder, {}))
+        mapped = getattr(self, "_weightsync_mapped", None)
+        if mapped is None:
+            mapped = self._weightsync_mapped = MappedBuckets()
+        return self._weightsync_load(mapped.read(folder, files))
 
     def weightsync_reload_checkpoint(self, path: str = "") -> dict[str, str] | None:
         """Re-read a checkpoint folder (the one the engine started from when ``path`` is
@@ -347,6 +426,48 @@ class WeightsyncWorker:
         if error is not None:
             receiver.drain()
         return error
+
+    def weightsync_receive_adapter(self, version: int, config: str) -> dict[str, str] | None:
+        """Receive an adapter version over the gloo group and write it where this server's
+        LoRA loader reads it (rank 0; the trainer may be on another host): a new versioned
+        folder in a tmpfs folder of this host, the two newest kept (a request admitted before
+        a swap may still read the previous one). Returns ``{"path": folder}`` from rank 0."""
+        from safetensors.torch import save_file
+
+        group = getattr(self, "_weightsync_group", None)
+        if group is None:
+            return {"weightsync_error": "no gloo group: call weightsync_join_gloo first"}
+        receiver = GlooReceiver(group)
+        try:
+            tensors = {name: t.clone() for name, t in receiver}  # views share one payload
+            if self.rank != 0:
+                return None
+            folder = self._weightsync_adapters() / f"adapter-v{int(version):06d}"
+            folder.mkdir()
+            save_file(tensors, str(folder / "adapter_model.safetensors"))
+            (folder / "adapter_config.json").write_text(config)
+            for old in sorted(folder.parent.glob("adapter-v*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer, see above)
+            receiver.drain()
+            return _error(e)
+        return {"path": str(folder)}
+
+    def _weightsync_adapters(self) -> Path:
+        root = self._weightsync_adapter_root
+        if root is None:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            root = Path(tempfile.mkdtemp(prefix="weightsync-adapters-", dir=shm))
+            weakref.finalize(self, shutil.rmtree, str(root), True)  # also at interpreter exit
+            self._weightsync_adapter_root = root
+        return root
+
+    def weightsync_drop_adapters(self) -> None:
+        """Remove the adapter folders `weightsync_receive_adapter` wrote (the trainer closes)."""
+        root = self._weightsync_adapter_root
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+            self._weightsync_adapter_root = None
 
     def weightsync_abandon(self) -> bool:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
