@@ -29,6 +29,7 @@ from weightsync.engines.vllm.server import (
     Replicas,
     VLLMServerEngine,
 )
+from weightsync.engines.vllm.transport import TmpfsTransport
 from weightsync.errors import BaseDiscardedError
 
 ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
@@ -363,6 +364,28 @@ def _bad_stream(model, engine, kind):
     if kind == "trainer":
         raise RuntimeError("injected: the trainer failed producing the next bucket")
     yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
+
+
+def test_kept_files_change_layout_and_fresh_files(engines, servers):
+    """The tmpfs transport's kept files when the buckets change (other sizes, fewer: files
+    replaced and removed, the workers map them again), and ``keep=False`` (a folder per sync,
+    removed after); every sync exact."""
+    engine = engines(1, "tmpfs")
+    kept = engine.transport._kept
+    for step, bucket_bytes in enumerate([64 << 10, 1 << 20, 64 << 10]):
+        model = full_model(1, seed=70 + step)
+        FullSync(bucket_bytes=bucket_bytes, skip_unchanged=False).sync(model, engine)
+        T.assert_matches(model, engine, atol=ATOL)
+        assert sorted(p.name for p in kept.folder.iterdir()) == sorted(kept._maps)
+    fresh = VLLMServerEngine(servers[1].url, transport=TmpfsTransport(keep=False))
+    try:
+        model = full_model(1, seed=73)
+        FullSync().sync(model, fresh)
+        T.assert_matches(model, fresh, atol=ATOL)
+        assert not list(fresh.transport.root.iterdir()), "a fresh-files folder was left"
+    finally:
+        fresh.close()
+    assert not fresh.transport.root.exists()
 
 
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
