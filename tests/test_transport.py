@@ -106,3 +106,17 @@ def test_transport_folders_are_removed_on_close(tmp_path):
     given._kept.write(buckets(0))  # type: ignore[union-attr]
     given.close()
     assert list((tmp_path / "given").iterdir()) == []
+
+
+def test_mixed_dtypes_with_odd_sizes_are_viewed_in_place(kept):
+    """Widest elements first: a 3-element bf16 tensor before a float32 one would leave the
+    float32 bytes at an odd offset, which a reader could not view without copying."""
+    sent = [
+        ("a.bias", torch.randn(3).bfloat16()),
+        ("b.weight", torch.randn(5, 3)),
+        ("c.mask", torch.tensor([True, False, True])),
+        ("d.idx", torch.arange(7)),
+    ]
+    got = dict(MappedBuckets().read(str(kept.folder), kept.write([sent])))
+    for name, tensor in sent:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

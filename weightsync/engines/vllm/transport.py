@@ -141,21 +141,24 @@ class KeptFiles:
             if kept is not None:
                 kept[1].close()
             kept = self._maps[name] = (header, mapped)
-        # A single-threaded copy that releases the GIL (numpy's), not torch's multithreaded one:
-        # a vLLM worker on the same cores busy-polls for 1 s after each RPC (its shm message
-        # queue), and a two-thread copy then waits on the thread sharing its core (measured on
-        # 2 cores, 1.26 GB: 1.0-1.25 s right after a /pause vs 0.13 s single-threaded); replicas
-        # write their files from parallel threads, so the copy must not hold the GIL either.
-        data = np.frombuffer(kept[1], dtype=np.uint8)[len(header) :]
-        for tensor, offset, n in places:
-            raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
-            data[offset : offset + n] = raw.numpy()
+        _copy_into(np.frombuffer(kept[1], dtype=np.uint8)[len(header) :], places)
 
     def close(self) -> None:
         """Unmap the files (the caller removes the folder)."""
         for _, mapped in self._maps.values():
             mapped.close()
         self._maps.clear()
+
+
+def _copy_into(data: np.ndarray, places: list[tuple[torch.Tensor, int, int]]) -> None:
+    """Copy each tensor's bytes to its offset in ``data``. A single-threaded copy that releases
+    the GIL (numpy's), not torch's multithreaded one: a vLLM worker on the same cores busy-polls
+    for 1 s after each RPC (its shm message queue), and a two-thread copy then waits on the
+    thread sharing its core (measured on 2 cores, 1.26 GB: 1.0-1.25 s right after a /pause vs
+    0.13 s single-threaded); replicas copy from parallel threads, so it must not hold the GIL."""
+    for tensor, offset, n in places:
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        data[offset : offset + n] = raw.numpy()
 
 
 def _safetensors_layout(
@@ -183,32 +186,21 @@ def _safetensors_layout(
     return len(text).to_bytes(8, "little") + text, places
 
 
-def send_frame(group: Any, kind: int, meta_len: int = 0, payload_len: int = 0) -> None:
+def send_frame(group: Any, kind: int, payload_len: int = 0) -> None:
     """The fixed-size header every gloo frame starts with (``worker.GlooReceiver`` reads it)."""
-    broadcast(group, torch.tensor([kind, meta_len, payload_len], dtype=torch.int64))
+    broadcast(group, torch.tensor([kind, payload_len], dtype=torch.int64))
 
 
 def broadcast_bucket(group: Any, bucket: Bucket) -> None:
-    """One bucket over gloo in ``worker.GlooReceiver``'s format: a header, the JSON metadata
-    (every name, tied twins pointing at the same bytes), one flat payload."""
+    """One bucket over gloo in ``worker.GlooReceiver``'s format: a frame header, then the bucket
+    as the bytes of a safetensors file (tied twins as aliases), which the workers view in place."""
     unique, aliases = _dedup(bucket)
-    meta, total = [], 0
-    for name, tensor in unique.items():
-        n = tensor.numel() * tensor.element_size()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        meta += [
-            [each, dtype, list(tensor.shape), total, n] for each in [name, *aliases.get(name, [])]
-        ]
-        total += n
-    payload = torch.empty(total, dtype=torch.uint8)
-    offset = 0
-    for tensor in unique.values():
-        n = tensor.numel() * tensor.element_size()
-        payload[offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-        offset += n
-    meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-    send_frame(group, FRAME_BUCKET, meta_bytes.numel(), total)
-    broadcast(group, meta_bytes)
+    header, places = _safetensors_layout(unique, aliases)
+    payload = torch.empty(len(header) + sum(n for _, _, n in places), dtype=torch.uint8)
+    data = payload.numpy()
+    data[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    _copy_into(data[len(header) :], places)
+    send_frame(group, FRAME_BUCKET, payload.numel())
     broadcast(group, payload)
 
 

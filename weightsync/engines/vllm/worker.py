@@ -282,8 +282,8 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
 class GlooReceiver:
     """Iterates the (name, tensor) pairs the trainer broadcasts, one bucket a frame.
 
-    Frame: an int64 header ``[kind, meta_len, payload_len]``, then (for a bucket) the JSON
-    metadata ``[[name, dtype, shape, offset, nbytes], ...]`` and one flat byte payload.
+    Frame: an int64 header ``[kind, payload_len]``, then (for a bucket) one payload holding
+    the bucket as a safetensors file's bytes (``transport.broadcast_bucket``), viewed in place.
     """
 
     def __init__(self, group: Any) -> None:
@@ -292,22 +292,18 @@ class GlooReceiver:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while True:
-            header = torch.zeros(3, dtype=torch.int64)
+            header = torch.zeros(2, dtype=torch.int64)
             broadcast(self.group, header)
-            kind, meta_len, payload_len = (int(x) for x in header)
+            kind, payload_len = (int(x) for x in header)
             if kind == FRAME_END:
                 self.finished = True
                 return
             if kind == FRAME_ABORT:
                 self.finished = True
                 raise RuntimeError("the trainer aborted this weight update part-way")
-            meta = torch.empty(meta_len, dtype=torch.uint8)
-            broadcast(self.group, meta)
             payload = torch.empty(payload_len, dtype=torch.uint8)
             broadcast(self.group, payload)
-            for name, dtype, shape, offset, nbytes in json.loads(bytes(meta.numpy()).decode()):
-                raw = payload[offset : offset + nbytes]
-                yield name, raw.view(getattr(torch, dtype)).view(shape)
+            yield from _views(payload.numpy())
 
     def drain(self) -> None:
         """Consume the rest of the stream, so the trainer's broadcasts do not hang."""
