@@ -414,12 +414,7 @@ class RemoteVLLMEngine(Engine):
             assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
             # Every byte is on tmpfs before the server is touched, each tied tensor under all
             # its names: vLLM's reload restores lm_head apart from embed_tokens.
-            folder = self.transport.stage(buckets, aliases=False)
-            try:
-                self._forget_adapter()
-                self._write("load_weights", lambda: self._stock_reload(folder))
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            self._stock_reload("load_weights", self.transport.stage(buckets, aliases=False))
             return 1
         self._forget_adapter()
         self._write("load_weights", lambda: self.transport.send(self._rpc, buckets))
@@ -427,12 +422,9 @@ class RemoteVLLMEngine(Engine):
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         if self.stock:
-            folder = self._stage_folder(path or self.facts["checkpoint"])
-            try:
-                self._forget_adapter()
-                self._write("reload_checkpoint", lambda: self._stock_reload(folder))
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            self._stock_reload(
+                "reload_checkpoint", self._stage_folder(path or self.facts["checkpoint"])
+            )
             return 1
         self._forget_adapter()
         self._write(
@@ -441,9 +433,15 @@ class RemoteVLLMEngine(Engine):
         )
         return 1
 
-    def _stock_reload(self, folder: Path) -> None:
-        """vLLM's own ``reload_weights`` of ``folder`` in every worker."""
-        self._rpc("reload_weights", {"weights_path": str(folder), "is_checkpoint_format": True})
+    def _stock_reload(self, what: str, folder: Path) -> None:
+        """A write through vLLM's own ``reload_weights`` of a staged ``folder`` in every worker;
+        the folder is removed after, whatever happens."""
+        kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
+        try:
+            self._forget_adapter()
+            self._write(what, lambda: self._rpc("reload_weights", kwargs))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _stage_folder(self, source: str) -> Path:
         """A tmpfs folder that vLLM's ``reload_weights`` reads as the weights of ``source``

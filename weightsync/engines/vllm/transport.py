@@ -18,8 +18,9 @@ worker serving.
   same way, and the engine's first worker writes them to a folder on its own host, where the
   server's LoRA loader reads them.
 
-On GPUs vLLM's own ``nccl``/``ipc`` weight-transfer backends are the faster path; they are not
-wired here yet (see ``docs/engines.md``, "Deployments").
+On GPUs vLLM's own ``nccl``/``ipc`` weight-transfer backends are the faster path: they are
+reached through ``weight_transfer.VLLMBackendTransport`` (written, never run here: no CUDA; see
+``docs/engines.md``, "Deployments").
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ This module imports only torch, safetensors and (lazily) vLLM; nothing from the 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -217,8 +218,6 @@ class MappedBuckets:
 
     def read(self, folder: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor view) of every tensor of ``files`` (in ``folder``), aliases included."""
-        import mmap
-
         paths = [os.path.join(folder, f) for f in files]
         for gone in set(self._maps) - set(paths):
             del self._maps[gone]  # its views are gone with the last reload; unmapped when freed
