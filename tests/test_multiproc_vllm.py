@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 from peft import LoraConfig, get_peft_model
-from test_server_vllm import ATOL, LORA
+from test_server_vllm import ATOL, LORA, discard
 
-from weightsync import AdapterSync, FullSync
+from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
 from weightsync.engines import VLLMMultiprocEngine, adapt
 
@@ -60,6 +60,25 @@ def test_full_merged_served_and_adapter_only(engines, transport):
         assert stale["engine"] != stale["trainer"], f"{strategy.label}: engine already matched"
         strategy.sync(trained, engine)
         T.assert_matches(trained, engine, atol=ATOL)
+
+
+def test_a_framework_sleep_already_over_is_seen(llm, engines):
+    """Issue 19: the framework sleeps the LLM at level 2 and wakes it (``llm.sleep(level=2);
+    llm.wake_up()``) between two syncs. Awake when the trainer looks; the workers' epoch shows
+    the level-2 sleep, so the Syncer restores the base instead of sending the adapter alone."""
+    engine = engines["tmpfs"]
+    model = _lora(31)
+    syncer = Syncer(engine, train_type="lora")
+    syncer.sync(model)
+    assert syncer.choose().name == "AdapterSync"
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert not engine.asleep and engine.sleep_level == 2
+    assert syncer.choose().label == "FullSync(lora=separate)"
+    discard(engine)  # what the level-2 sleep does on a GPU
+    T.perturb(model, seed=32, scale=0.3)
+    assert syncer.sync(model).strategy == "FullSync(lora=separate)"
+    T.assert_matches(model, engine, atol=ATOL)
 
 
 def _lora(seed):

@@ -323,7 +323,8 @@ def test_failure_mid_sync_without_sleep_resends_everything(lora_engine, small_po
     """No sleep anywhere: a LoRA run's first sync pushes the base; it aborts part-way, leaving
     the engine with a mix of the previous run's layers and this one's. With no sleep the policy
     would pick AdapterSync once the base counts as synced, which would keep that mix; the
-    Syncer must resend the base instead."""
+    Syncer must resend the base instead, and an AdapterSync chosen by hand is refused: the
+    engine's base counts as lost (harm 2) until a full restore."""
     previous = lora_model(seed=23)  # what the engine served before this run
     FullSync().sync(previous, lora_engine)
     model = get_peft_model(full_model(seed=24), LoraConfig(**LORA))  # another base
@@ -334,11 +335,12 @@ def test_failure_mid_sync_without_sleep_resends_everything(lora_engine, small_po
     with pytest.raises(InjectedFault):
         syncer.sync(model)  # FullSync(lora=separate): the base was never pushed in this run
     assert not syncer.base_sync_done
-    assert lora_engine.sleep_level == 0 and not lora_engine.base_discarded  # no sleep involved
+    assert lora_engine.base_discarded  # no sleep involved, but a mix of old and new layers
     assert isinstance(syncer.choose(), FullSync)
     # What the resend guards against: the adapter alone does not repair the mixed base.
-    AdapterSync().sync(model, lora_engine)
-    assert differs(model, lora_engine)
+    with T.count_writes(lora_engine) as writes, pytest.raises(BaseDiscardedError):
+        AdapterSync().sync(model, lora_engine)
+    assert writes == [] and differs(model, lora_engine)
     report = syncer.sync(model)
     assert report.strategy.startswith("FullSync") and syncer.base_sync_done
     T.assert_matches(model, lora_engine, atol=ATOL)

@@ -46,7 +46,9 @@ def server(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    e = VLLMServerEngine(server.url, transport="tmpfs")
+    """The tests own this server: ``exclusive`` lets its sleeps made through the adapter stand
+    for all there were (a stock server attests no epoch; see test_a_server_not_owned_...)."""
+    e = VLLMServerEngine(server.url, transport="tmpfs", exclusive=True)
     yield e
     e.close()
     left = [p for p in (e._adapter_root, e.transport.root) if p.exists()]
@@ -93,7 +95,6 @@ def test_vllm_reload_of_a_tied_checkpoint_leaves_the_head_stale(engine, tmp_path
     engine.control.rpc("reload_weights", {"weights_path": folder, "is_checkpoint_format": True})
     engine.control.reset_prefix_cache()
     engine.control.resume()
-    engine.held = {}  # written behind weightsync's back
     stale = T.compare(model, engine)
     assert stale["engine"] != stale["trainer"] and stale["max_logprob_diff"] > 0.1, stale
     FullSync().sync(model, engine)  # the same weights, the tied tensor under both names
@@ -155,6 +156,30 @@ def test_reload_from_snapshot(engine, served, tmp_path):
     snapshot = ReloadWeights(snapshot_dir=tmp_path / "snap")
     sync_and_check(lambda m: snapshot.sync(m, engine), model, engine)
     assert (engine.served_adapter is not None) == served
+
+
+def test_a_server_not_owned_is_synced_in_full_every_time(server):
+    """Issue 19: a stock server keeps no epoch, so whatever another client did to it between
+    two syncs cannot be ruled out: by default its base counts as lost at every sync, the
+    Syncer restores it every time, and nothing is skipped."""
+    engine = VLLMServerEngine(server.url, transport="tmpfs")
+    try:
+        assert engine.attest().epoch is None and engine.base_discarded
+        model = lora_model(seed=35)
+        syncer = Syncer(engine, train_type="lora")
+        train = lambda step: T.perturb(model, seed=350 + step, scale=0.3)  # noqa: E731
+        for step in range(3):
+            train(step)
+            report = sync_and_check(syncer.sync, model, engine)
+            assert report.strategy == "FullSync(lora=separate)" and not report.plan.skipped
+            assert engine.base_discarded  # still: nothing attests it since
+        frozen = full_model(seed=36)
+        frozen.model.embed_tokens.requires_grad_(False)
+        FullSync().sync(frozen, engine)
+        plan = FullSync().plan(frozen, engine)
+        assert not plan.skipped and "cannot attest" in str(plan)
+    finally:
+        engine.close()
 
 
 # --- failures: last, the final one leaves the server broken ------------------------------------

@@ -30,7 +30,7 @@ from weightsync.engines.vllm.server import (
     VLLMServerEngine,
 )
 from weightsync.engines.vllm.transport import TmpfsTransport
-from weightsync.errors import BaseDiscardedError
+from weightsync.errors import BaseDiscardedError, EngineAsleepError
 
 ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
 ATOL = 1e-3
@@ -144,7 +144,6 @@ def discard(engine, *, seed: int = 1234) -> None:
             ]
         ]
     )
-    engine.held = {}
 
 
 def enter_sleep(engine, level: int) -> None:
@@ -409,17 +408,42 @@ def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transp
 
 
 def test_sleep_made_by_another_client_is_seen(engines, servers):
+    """Another client's level-1 sleep: the workers' ledger attests it with its level (the base
+    kept, an adapter-only sync may follow once awake)."""
     engine = engines(1, "tmpfs")
-    HTTPControl(servers[1].url).sleep(1)  # someone else; the level is not visible over HTTP
+    FullSync().sync(full_model(1, seed=42), engine)
+    HTTPControl(servers[1].url).sleep(1)  # someone else
     try:
-        assert engine.sleep_level == 2 and "weights" in engine.asleep
+        assert engine.sleep_level == 1 and "weights" in engine.asleep
+        with pytest.raises(EngineAsleepError):
+            FullSync().sync(full_model(1, seed=43), engine)
     finally:
         HTTPControl(servers[1].url).wake_up(None)
-    assert not engine.asleep
-    with pytest.raises(BaseDiscardedError):
-        AdapterSync().sync(lora_model(1, seed=43), engine)
+    assert not engine.asleep and engine.sleep_level == 1 and not engine.base_discarded
     FullSync().sync(full_model(1, seed=44), engine)
     assert engine.sleep_level == 0
+
+
+def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers):
+    """Issue 19: slept at level 2 and woken by another client between two syncs. When the
+    trainer looks, the server is awake; only the engine's own epoch shows the level-2 sleep,
+    so the Syncer restores the base instead of sending the adapter alone."""
+    engine = engines(1, "tmpfs")
+    model = lora_model(1, seed=45)
+    syncer = Syncer(engine, train_type="lora")
+    syncer.sync(model)
+    assert syncer.choose().name == "AdapterSync"
+    other = HTTPControl(servers[1].url)
+    other.sleep(2)
+    other.wake_up(None)
+    assert not engine.asleep and engine.sleep_level == 2 and engine.base_discarded
+    assert syncer.choose().label == "FullSync(lora=separate)"
+    with pytest.raises(BaseDiscardedError):
+        AdapterSync().sync(model, engine)
+    discard(engine)  # what the level-2 sleep did on a GPU
+    T.perturb(model, seed=46, scale=0.3)
+    report = sync_and_check(syncer.sync, model, engine)
+    assert report.strategy == "FullSync(lora=separate)" and engine.sleep_level == 0
 
 
 # --- several engines at once -----------------------------------------------------------------

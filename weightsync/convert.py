@@ -183,6 +183,25 @@ def _layout(model: nn.Module) -> Layout:
     return Layout(model, reverse)
 
 
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of ``model`` a checkpoint holds, in checkpoint layout.
+
+    Every parameter and persistent buffer (``state_dict``: a non-persistent buffer such as
+    ``rotary_emb.inv_freq`` is not a checkpoint tensor), a tied tensor under each of its names
+    (an engine loads each), a fused in-memory parameter as the tensors ``save_pretrained``
+    splits it into. Nothing is materialised: a model on the meta device will do.
+    """
+    layout = checkpoint_layout(model)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        pieces = layout.split(name, tuple(tensor.shape))
+        if pieces is None:
+            out[name] = tuple(tensor.shape)
+        else:
+            out.update((piece.name, piece.shape) for piece in pieces)
+    return out
+
+
 def to_checkpoint(tensors: list[Tensor], layout: Layout) -> list[Tensor]:
     """``tensors`` (in-memory names) as the checkpoint tensors the engine loads, in order.
 

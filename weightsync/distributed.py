@@ -31,7 +31,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import errors
-from .engines.base import Engine, adapt
+from .engines.base import Attestation, Engine, adapt
 from .plan import Adapter, Plan
 from .state import Syncer
 from .strategies.base import Strategy, SyncReport, execute
@@ -62,9 +62,12 @@ class _Facts(Engine):
         super().__init__()
         self._facts = facts
         self._real = real
-        self._asleep = set(facts["asleep"])
-        self._base_discarded = facts["base_discarded"]
-        self._deepest_sleep = facts["sleep_level"]
+
+    def _attest(self, since: Hashable | None) -> Attestation:
+        # As src's engine attested it when the facts were taken; no epoch, so nothing is
+        # skipped (a sharded tensor has no content key either). The real engine's state is
+        # checked again when src executes.
+        return Attestation(None, frozenset(self._facts["asleep"]), self._facts["harm"])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -97,6 +100,7 @@ class _Facts(Engine):
 
 
 def _facts_of(engine: Engine, strategy: Strategy) -> dict[str, Any]:
+    now = engine.attest()
     return {
         "strategy": strategy,
         "dtype": engine.dtype,
@@ -104,9 +108,8 @@ def _facts_of(engine: Engine, strategy: Strategy) -> dict[str, Any]:
         "shared_weights": [tuple(g) for g in engine.shared_weights],
         "serves_lora": engine.serves_lora,
         "describe": engine.describe(),
-        "asleep": sorted(engine.asleep),
-        "base_discarded": engine.base_discarded,
-        "sleep_level": engine.sleep_level,
+        "asleep": sorted(now.asleep),
+        "harm": now.harm,
     }
 
 

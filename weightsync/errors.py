@@ -41,9 +41,37 @@ class BaseDiscardedError(WeightSyncError, RuntimeError):
     (vllm#29341). Only FullSync or ReloadWeights can follow a level-2 sleep."""
 
 
+class EngineChangedError(WeightSyncError, RuntimeError):
+    """The engine's epoch moved between planning a sync and writing it (someone slept, woke,
+    reloaded or wrote it meanwhile), and the plan skipped weights it may no longer hold.
+    Nothing was written; plan the sync again."""
+
+
 class VerificationError(WeightSyncError, RuntimeError):
     """After a sync, the engine's logprobs on the canary prompt disagree with the trainer's.
 
     Raised after the weights were written: the engine holds what was sent, and what was sent
     does not reproduce the trainer. The state helper marks the base unsynced, so the next
     sync resends everything."""
+
+
+class EngineBrokenError(WeightSyncError, RuntimeError):
+    """A write failed and the engine could not be brought back to a servable state; it is left
+    paused. Restart it (or reload its checkpoint through vLLM) before resuming it.
+
+    Raised after something was written (the exception to this module's rule)."""
+
+
+class EngineUnavailableError(WeightSyncError, RuntimeError):
+    """The engine does not answer: a server that refuses connections or times out, a vLLM
+    engine core that died. The message names the engine and what was seen.
+
+    Nothing can be written into an engine that is gone; a write it interrupted leaves that
+    engine in an unknown state, so only a full restore may follow (restart it first)."""
+
+
+class NoCheckpointError(WeightSyncError, ValueError):
+    """The engine was asked to reload a checkpoint it does not have: it was started with
+    ``load_format="dummy"`` (random weights the first sync fills) from a folder without weight
+    files, so there is nothing on disk to reload. Send the weights (FullSync) or reload a
+    snapshot (``ReloadWeights(snapshot_dir=...)``)."""

@@ -12,7 +12,7 @@ so can code loaded inside an engine's own processes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,8 +31,8 @@ class Tensor:
     from: names that share one (tied embeddings) share it. ``held`` is the dtype of a tensor
     the trainer holds as it is; ``produce(held)`` then reads the trainer's memory, no copy.
     ``inputs`` are the trainer tensors (and scales) the value is computed from: a tensor whose
-    inputs have not changed since the engine received it need not be sent again (see
-    `change_key`); without inputs it is always sent.
+    inputs have the same content as when the engine received it need not be sent again, if the
+    engine attests it still holds it (see `content_key`); without inputs it is always sent.
     """
 
     name: str
@@ -65,27 +65,43 @@ class Adapter:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def change_key(t: Tensor) -> tuple | None:
-    """What ``t``'s value depends on, as a key that differs whenever the value may differ, or
-    None when that cannot be told without reading the data (the tensor is then always sent).
+def content_key(t: Tensor, digests: dict[int, tuple] | None = None) -> tuple | None:
+    """What ``t``'s value is computed from, by *content*, or None when it is always sent.
 
-    Only tensors computed from inputs no optimizer updates get a key: an input that requires
-    grad makes it None, because fused optimizers (``torch._fused_adamw_``, the transformers
-    default) write parameters without bumping their version counter -- measured. For the
-    others, each input tensor contributes its identity, its in-place version counter (bumped by
-    every other in-place write: ``copy_``, ``load_state_dict``, ``add_``) and its storage address
-    (a ``.data`` swap); scales contribute their value. Nothing is read from the data.
+    Only a tensor computed from frozen (``requires_grad=False``) plain CPU tensors gets a key:
+    each input tensor contributes its dtype, shape and the xxh3-128 digest of its bytes, each
+    scale its value. Identity and version counters are not used: writes through ``.data``
+    (PEFT's own ``merge_adapter`` / ``unmerge_adapter``, ``p.data.copy_``) change neither, and
+    fused optimizers write without bumping the version. A trainable input makes the key None
+    (an optimizer step changes it almost always, and hashing it would cost more than it could
+    save); so does a sharded or non-CPU tensor (hashing it would need a gather or a device
+    copy). ``digests`` caches digests by tensor identity within one plan (tied tensors).
     """
     tensors = [x for x in t.inputs if isinstance(x, torch.Tensor)]
-    if not t.inputs or any(x.requires_grad for x in tensors):
+    if not t.inputs or any(x.requires_grad or not _plain_cpu(x) for x in tensors):
         return None
-    return (
-        t.merged,
-        *(
-            (id(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else x
-            for x in t.inputs
-        ),
-    )
+    cache = {} if digests is None else digests
+    parts: list[object] = [t.merged]
+    for x in t.inputs:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in cache:
+                cache[id(x)] = digest(x)
+            parts.append(cache[id(x)])
+        else:
+            parts.append(x)
+    return tuple(parts)
+
+
+def digest(x: torch.Tensor) -> tuple:
+    """(dtype, shape, xxh3-128 of the bytes) of a plain CPU tensor."""
+    import xxhash
+
+    data = x.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return (str(x.dtype), tuple(x.shape), xxhash.xxh3_128_hexdigest(data.data))
+
+
+def _plain_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and not hasattr(x, "full_tensor")
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -124,7 +140,12 @@ class Plan:
         bucket_bytes: the size weights are materialised and sent in.
         notes: decisions a reader should see (merged layers, tied names, translated options).
         skipped: weights left out because the engine already holds exactly them.
-        held_after: what the engine holds once the plan is executed (name -> change key), for
+        skipped_groups: the groups (decoder layers, modules) those weights form.
+        skip_note: why the skipped weights are known to be unchanged, or why nothing was
+            skipped.
+        attested: the engine epoch the skip was decided on; the write is refused (nothing
+            written) if the engine's epoch moved before it starts.
+        held_after: what the engine holds once the plan is executed (name -> content key), for
             the next plan's skipping; empty when nothing may be skipped next time.
     """
 
@@ -140,6 +161,9 @@ class Plan:
     bucket_bytes: int = 512 << 20
     notes: tuple[str, ...] = field(default_factory=tuple)
     skipped: tuple[str, ...] = ()
+    skipped_groups: tuple[str, ...] = ()
+    skip_note: str = ""
+    attested: Hashable | None = field(default=None, repr=False)
     held_after: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -175,9 +199,10 @@ class Plan:
                 f"{_mib(a.nbytes)}, targets {sorted(_targets(a))}"
             )
         if self.skipped:
+            groups = self.skipped_groups
             steps.append(
-                f"skip {len(self.skipped)} weights unchanged since the engine received them "
-                f"({', '.join(self.skipped[:2])}{', ...' if len(self.skipped) > 2 else ''})"
+                f"skip {len(self.skipped)} weights in {len(groups)} group(s) "
+                f"({', '.join(groups[:4])}{', ...' if len(groups) > 4 else ''}): {self.skip_note}"
             )
         lines += [f"  {i}. {step}" for i, step in enumerate(steps, 1)] or ["  nothing to write"]
         shown = [
@@ -187,6 +212,8 @@ class Plan:
             shown.append(f"... {len(self.weights) - 3} more, in layer order")
         lines += [f"     {line}" for line in shown]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.skip_note and not self.skipped and self.weights:
+            lines.append(f"  note: nothing skipped: {self.skip_note}")
         return "\n".join(lines)
 
 

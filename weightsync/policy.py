@@ -13,6 +13,9 @@ lora         True          True            2            FullSync (base + adapter
 lora         True          True            0, 1         AdapterSync
 ===========  ============  ==============  ===========  =====================================
 
+A FullSync chosen for ``sleep_level`` 1 or 2 skips nothing (``skip_unchanged=False``): the caller
+says the engine slept, so no record of what it held counts.
+
 ``prefer_reload=True`` replaces "FullSync (base + adapter)" with ReloadWeights of the engine's
 own checkpoint followed by the adapter: valid only when the engine serves the adapter, because
 only then is the base the trainer holds the untouched checkpoint. Asking for it with full
@@ -83,12 +86,20 @@ def choose(
             "rollout_lora=True; use ReloadWeights(snapshot_dir=...) to reload a fresh snapshot."
         )
 
+    # A sleep the caller reports is a fact about the engine this choice is made for: the
+    # FullSync it returns skips nothing, whatever the engine's record says.
+    skip = sleep_level == 0
+    slept = "" if skip else f"; sleep level {sleep_level}: nothing is skipped"
     if train_type == "full":
-        return FullSync(reason="full training: every weight may have changed")
+        return FullSync(
+            reason=f"full training: every weight may have changed{slept}", skip_unchanged=skip
+        )
     if not rollout_lora:
         return FullSync(
             lora="merge",
-            reason="the engine does not serve LoRA, so the adapter is merged into the weights",
+            reason="the engine does not serve LoRA, so the adapter is merged into the weights"
+            + slept,
+            skip_unchanged=skip,
         )
     if not base_sync_done:
         why = "the base has not been pushed to the engine yet"
@@ -101,4 +112,4 @@ def choose(
         )
     if prefer_reload:
         return ReloadWeights(reason=f"{why}; reloading the untouched base from its checkpoint")
-    return FullSync(lora="separate", reason=f"{why}; pushing base + adapter")
+    return FullSync(lora="separate", reason=f"{why}; pushing base + adapter", skip_unchanged=skip)

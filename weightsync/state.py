@@ -22,9 +22,10 @@ class Syncer:
     sync that fails half-way leaves the base marked unsynced and the next call resends
     everything.
 
-    The sleep level comes from the engine adapter (which records `Engine.sleep`, or what
-    the caller reports with `Engine.mark_asleep`), or from the ``sleep_level`` argument;
-    the deeper of the two wins.
+    The sleep level comes from the engine itself (`Engine.attest`: every sleep, wake and
+    weight write since the last full restore, by anyone, as the engine records it; plus what
+    the caller reports with `Engine.mark_asleep`), or from the ``sleep_level`` argument; the
+    deeper of the two wins, and a reported level turns skipping of unchanged layers off.
 
     Example::
 

@@ -42,15 +42,31 @@ if TYPE_CHECKING:
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, else ``model`` itself.
+
+    A compiled model is an ``OptimizedModule`` holding the original as ``_orig_mod``, so every
+    name below it carries that prefix (``_orig_mod.model.layers.0...``): walked as it is, none
+    is a checkpoint name. The weights are the original module's, shared, so syncing that one
+    syncs what the compiled model computes (its forward is not run here)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def _is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
     from peft import PeftModel
 
-    return isinstance(model, PeftModel)
+    return isinstance(uncompiled(model), PeftModel)
 
 
 def inner_model(model: nn.Module) -> nn.Module:
-    """The transformers model under any PEFT wrapper (its names are checkpoint names)."""
-    return model.get_base_model() if _is_peft(model) else model
+    """The transformers model under any PEFT wrapper or ``torch.compile`` (its names are
+    checkpoint names)."""
+    model = uncompiled(model)
+    return uncompiled(model.get_base_model()) if _is_peft(model) else model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -209,6 +225,7 @@ def base_tensors(
             ``embed_tokens``) is sent under every one of its names the engine expects, and under
             its first name when the engine expects none of them (so the mismatch is reported).
     """
+    model = uncompiled(model)
     if _is_peft(model):  # refuse what the walk would not reproduce (DoRA, unknown layers, ...)
         peft_support.check(model, "merge" if merge_lora else "serve")
     found: list[Tensor] = []
@@ -325,17 +342,32 @@ _ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, ...]
 )
 
 
+def _file_key(parameter: str, adapter: str) -> str | None:
+    """The key ``get_peft_model_state_dict`` gives the LoRA parameter ``parameter`` of adapter
+    ``adapter``, or None when it is not one of that adapter's factors.
+
+    PEFT keys a factor by adapter inside a ``lora_*`` container: the adapter's name follows the
+    container, last for a bare parameter (``embed_tokens.lora_embedding_A.<adapter>``) or before
+    the parameter's own name (``q_proj.lora_A.<adapter>.weight``), and the file key drops it
+    there. Only there: an adapter name is not a module path, and one such as ``"0"`` (one
+    adapter per policy index) also spells ``layers.0.`` of every layer path."""
+    parts = parameter.split(".")
+    if len(parts) >= 2 and parts[-1] == adapter and parts[-2].startswith("lora_"):
+        return ".".join(parts[:-1])
+    if len(parts) >= 3 and parts[-2] == adapter and parts[-3].startswith("lora_"):
+        return ".".join([*parts[:-2], parts[-1]])
+    return None
+
+
 def _adapter_parameters(model: nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
     """(PEFT file key, current tensor) of every LoRA factor of adapter ``name``: the parameter
     name without the adapter's name, as ``get_peft_model_state_dict`` keys it."""
     per_model = _ADAPTER_PARAMETERS.setdefault(model, {})
     if name not in per_model:
-        # lora_A.<name>.weight for linear layers, lora_embedding_A.<name> for embeddings
-        inner, last = f".{name}.", f".{name}"
         per_model[name] = [
-            (n.replace(inner, ".", 1) if inner in n else n.removesuffix(last), *n.rsplit(".", 1))
+            (key, *n.rsplit(".", 1))
             for n, _ in model.named_parameters()
-            if ".lora_" in n and (inner in n or n.endswith(last))
+            if (key := _file_key(n, name)) is not None
         ]
     module = _resolver(model)
     return [(key, getattr(module(path), attr).detach()) for key, path, attr in per_model[name]]
@@ -369,6 +401,7 @@ def adapter(model: nn.Module) -> Adapter:
         UnsupportedModelError: ``model`` is not a PEFT model, or its set-up cannot be served
             exactly (see `weightsync.peft_support.check`).
     """
+    model = uncompiled(model)
     if not _is_peft(model):
         raise UnsupportedModelError(
             f"an adapter sync needs a peft.PeftModel, got {type(model).__name__}; "

@@ -82,8 +82,10 @@ def make_llm(
     enable_prefix_caching: bool = True,
     max_model_len: int = 256,
     kv_cache_bytes: int = 64 << 20,
+    **options: Any,
 ) -> Any:
-    """A real in-process ``vllm.LLM`` on ``checkpoint`` sized for a small CPU machine."""
+    """A real in-process ``vllm.LLM`` on ``checkpoint`` sized for a small CPU machine;
+    ``options`` go to ``LLM`` as they are (``load_format="dummy"``, ``max_loras=2``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0: weightsync needs vLLM in-process")
@@ -92,6 +94,7 @@ def make_llm(
     kwargs: dict[str, Any] = {}
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+    kwargs.update(options)
     return LLM(
         model=checkpoint,
         skip_tokenizer_init=True,
@@ -132,9 +135,7 @@ def discard_weights(engine: Engine | Any, *, seed: int = 1234) -> None:
         "reload_weights", kwargs={"weights_iterator": garbage, "is_checkpoint_format": True}
     )
     llm.reset_prefix_cache()
-    engine.held = {}  # written behind weightsync's back: it holds nothing weightsync sent
-    # vLLM's reload drops its adapters too: a request kept from before must not come back.
-    getattr(engine, "_forget_adapter", lambda: None)()
+    # Nothing is told to weightsync: the engine's own epoch records the reload (harm 2).
 
 
 @torch.no_grad()
@@ -202,12 +203,22 @@ def assert_matches(
     return result
 
 
+#: Worker calls that read and write nothing: the engine's facts and its attested epoch.
+READ_ONLY_RPCS = ("weightsync_facts", "weightsync_attest")
+
+
+def reads_only(method: str) -> bool:
+    """Whether the worker call ``method`` writes nothing into the engine (a capability probe
+    named ``supports_*``, or one of `READ_ONLY_RPCS`)."""
+    return method.startswith("supports_") or method in READ_ONLY_RPCS
+
+
 @contextlib.contextmanager
 def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
     """Record every call that can write into an in-process vLLM engine, at vLLM's own boundary.
 
     Yields a list that fills with one entry per write: ``collective_rpc`` calls (``reload_weights``
-    and callables run in the workers, apart from capability probes named ``supports_*``) and
+    and callables run in the workers, apart from the reads of `reads_only`) and
     adapter loads/removals. A refusal that claims "nothing was written" must leave it empty.
     """
     engine = adapt(engine)
@@ -217,7 +228,7 @@ def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
 
     def counted_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
-        if not name.startswith("supports_"):
+        if not reads_only(name):
             writes.append(f"collective_rpc:{name}")
         return rpc(method, *args, **kwargs)
 
@@ -249,6 +260,45 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def stretched(seconds: float) -> float:
+    """``seconds`` scaled by how oversubscribed this machine's CPUs are now (the 1-minute load
+    average per core, at least 1).
+
+    Stopping vLLM is a few processes each finishing its own shutdown: a bound measured on an
+    idle machine is too short beside other jobs (a fresh clone's test run at load 4-6 on 2
+    cores killed processes still stopping, whose shared memory then stayed), and a fixed large
+    bound makes every stop slow. Bounds that scale with the load hold on both."""
+    return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def left_behind(names: Iterable[str], *, grace_s: float = 5.0) -> list[str]:
+    """The ``/dev/shm`` entries among ``names`` still there once every process that mapped them
+    has exited, after `stretched` ``grace_s`` for their owners' own unlink (vLLM unlinks a
+    segment when its creator's ring buffer is collected; Python's resource tracker, a process
+    of its own, unlinks what a creator left when it exits: both may come after the exit).
+    What is still there then is a leak: it is removed, and returned."""
+    import time
+
+    waiting = {n for n in names if (_SHM / n).exists()}
+    deadline = time.monotonic() + stretched(grace_s)
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.2)
+        waiting = {n for n in waiting if (_SHM / n).exists()}
+    for name in waiting:
+        (_SHM / name).unlink(missing_ok=True)
+    return sorted(waiting)
+
+
+def _is_resource_tracker(process: Any) -> bool:
+    """Whether ``process`` (psutil) is a Python ``multiprocessing`` resource tracker."""
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
 
 
 def shm_mapped(pids: Iterable[int]) -> set[str]:
@@ -318,12 +368,15 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         self.start_timeout_s = start_timeout_s
+        #: vLLM's own shutdown bounds, scaled to the load at start: upper bounds, waited only as
+        #: long as the stop takes, which on a loaded machine is several times the idle figure.
+        self.shutdown_timeout_s = round(stretched(self.SHUTDOWN_TIMEOUT_S))
         environ = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.SHUTDOWN_TIMEOUT_S),
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.shutdown_timeout_s),
         }
         environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its core apart
         if tp > 1:
@@ -335,7 +388,7 @@ class VLLMServer:
             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
             "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
-            "--shutdown-timeout", str(self.SHUTDOWN_TIMEOUT_S),
+            "--shutdown-timeout", str(self.shutdown_timeout_s),
             *(["--worker-extension-cls", WORKER_EXTENSION] if extension else []),
             *args,
         ]  # fmt: skip
@@ -369,7 +422,7 @@ class VLLMServer:
         raise TimeoutError(f"vllm serve not up after {self.start_timeout_s} s: {self.tail()}")
 
     def _record(self) -> None:
-        import psutil  # type: ignore[import-untyped]
+        import psutil
 
         with contextlib.suppress(psutil.NoSuchProcess):
             for p in psutil.Process(self.proc.pid).children(recursive=True):
@@ -395,20 +448,17 @@ class VLLMServer:
 
         import psutil
 
-        try:
-            self.proc.wait(self.SHUTDOWN_TIMEOUT_S + 30)
+        try:  # vLLM's own shutdown bound, then a margin for a loaded machine
+            self.proc.wait(self.shutdown_timeout_s + stretched(30))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
-        _, alive = psutil.wait_procs(list(self.procs.values()), timeout=10)
+        _, alive = psutil.wait_procs(list(self.procs.values()), timeout=stretched(10))
         for p in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         psutil.wait_procs(alive, timeout=10)
-        left = sorted(n for n in self.shm if (_SHM / n).exists())
-        for name in left:
-            (_SHM / name).unlink(missing_ok=True)
-        return left
+        return left_behind(self.shm)
 
     def stop(self) -> list[str]:
         self.terminate()
@@ -450,7 +500,7 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
 
     from .engines.vllm.server import WORKER_EXTENSION
 
-    grace = VLLMServer.SHUTDOWN_TIMEOUT_S
+    grace = round(stretched(VLLMServer.SHUTDOWN_TIMEOUT_S))  # the workers' bound, see VLLMServer
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(grace),
@@ -477,11 +527,20 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
         llm = LLM(model=checkpoint, tensor_parallel_size=tp, **{**options, **kwargs})
         yield llm
     finally:
-        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        # Python's resource tracker, started for this process by the LLM's first spawn, lives
+        # as long as this process (it unlinks what a dead creator left when this process
+        # exits): it is not the LLM's to stop, and killing it would leak what it tracks.
+        started = [
+            p
+            for p in me.children(recursive=True)
+            if p.pid not in before and not _is_resource_tracker(p)
+        ]
         held = shm_mapped(p.pid for p in started)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown(timeout=grace)
-        _, alive = psutil.wait_procs(started, timeout=10)
+            # The engine core waits up to ``grace`` for its workers, then stops itself; at load
+            # 10 per core its workers took 6-20 s and the core 26 s (vLLM kills it at the bound).
+            llm.llm_engine.engine_core.shutdown(timeout=grace + stretched(10))
+        _, alive = psutil.wait_procs(started, timeout=stretched(10))
         for p in alive:
             with contextlib.suppress(psutil.NoSuchProcess):  # psutil: never a reused PID
                 p.kill()
@@ -492,8 +551,6 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
             else:
                 os.environ[k] = v
         vllm.envs.disable_envs_cache()
-        left = sorted(n for n in held if (_SHM / n).exists())
-        for name in left:
-            (_SHM / name).unlink(missing_ok=True)
+        left = left_behind(held)
     if left:
         raise RuntimeError(f"the LLM's processes left /dev/shm entries (removed now): {left}")

@@ -170,9 +170,9 @@ def check_engine(
     )
     limit = tolerance or TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
     if not (mean <= limit.mean and largest <= limit.max):  # NaN fails too
-        # The engine does not hold what was sent: keep no record of it, so that the next sync
-        # resends every weight instead of skipping the ones it believes unchanged.
-        engine.held = {}
+        # The engine does not serve what was sent: keep no record of it, so that the next sync
+        # restores every weight instead of skipping the ones it believes unchanged.
+        engine.mark_lost()
         at = f" at step {step}" if step is not None else ""
         raise VerificationError(
             f"{strategy}{at}: the engine's logprobs on the canary prompts differ from the "

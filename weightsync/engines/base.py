@@ -4,22 +4,46 @@ An adapter wraps one engine the trainer already created; strategies talk to the 
 so adding an engine (SGLang, a remote server) means writing one class here and registering it,
 without touching the policy or the strategies.
 
-The adapter also owns the engine's *sleep state*. A sync must never write into sleeping weight
-memory (on a GPU that memory is unmapped: trl#5142), and after a level-2 sleep the base weights
-are gone until something restores them all (vllm#29341). Both are checked by
-`Engine.check_writable` before any strategy writes.
+The adapter reports the engine's *state* as the engine attests it, never as a picture the
+trainer keeps: a sync must never write into sleeping weight memory (on a GPU that memory is
+unmapped: trl#5142), after a level-2 sleep the base weights are gone until something restores
+them all (vllm#29341), and anyone -- another client, the framework, vLLM itself -- may have
+slept, woken or rewritten the engine since weightsync last looked. An engine that can attest
+keeps an *epoch* that every sleep, wake, reload, restart and weight write advances (for vLLM:
+``engines/vllm/ledger.py``, inside its workers); one that cannot is assumed to have lost its
+base at any time. Both are checked by `Engine.check_writable` before any strategy writes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
 
 from ..errors import BaseDiscardedError, EngineAsleepError
 from ..plan import Adapter, Bucket
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """What an engine reports about its own weights at the moment of asking.
+
+    Attributes:
+        epoch: an opaque value that changes whenever anything may have changed the weights
+            (a sleep, wake, reload, restart or weight write, by anyone); None when the engine
+            cannot attest one (then nothing it holds may be skipped).
+        asleep: the memory tags ("weights", "kv_cache") asleep now.
+        harm: the worst that happened to the base since the last completed base restore:
+            0 nothing, 1 level-1 sleeps only (weights kept), 2 the weights may be lost or
+            replaced (a level-2 sleep, a write by anyone, a restart, or unknown).
+    """
+
+    epoch: Hashable | None
+    asleep: frozenset[str]
+    harm: int
 
 
 class Engine(ABC):
@@ -33,7 +57,7 @@ class Engine(ABC):
     name: ClassVar[str]
 
     #: A write that leaves some layers out leaves them as they were, so a sync may skip the
-    #: layers the engine already holds exactly (see ``strategies.base.unchanged``).
+    #: layers the engine attests it still holds exactly (see ``strategies.base.unchanged``).
     keeps_unsent_layers: bool = True
 
     @classmethod
@@ -42,14 +66,19 @@ class Engine(ABC):
         return False
 
     def __init__(self) -> None:
-        self._asleep: set[str] = set()
-        self._base_discarded = False
-        self._deepest_sleep = 0
-        #: What the engine holds from the last completed sync, by checkpoint name: the change
-        #: key of the trainer tensor it was computed from (see ``plan.change_key``) and weak
-        #: references to its inputs. Emptied whenever the engine's weights may have changed
-        #: otherwise (a level-2 sleep, a failed or partial write, a checkpoint reload).
-        self.held: dict[str, tuple] = {}
+        #: Epoch the engine attested right after the last completed base restore; harm is
+        #: measured from it. None until then: everything the engine has on record counts.
+        self._restored_at: Hashable | None = None
+        #: Harm known on the trainer side since then: reported sleeps, failed writes.
+        self._known_harm = 0
+        #: Sleeping tags known from this adapter's own calls (engines that cannot attest).
+        self._own_asleep: set[str] = set()
+        #: What the engine holds from the last completed sync (checkpoint name -> content
+        #: key, see ``plan.content_key``) and the engine epoch that record is valid at.
+        self._held: dict[str, tuple] = {}
+        self._held_epoch: Hashable | None = None
+        #: What the engine attested when `check_writable` last let a write through.
+        self._checked: Attestation | None = None
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -152,7 +181,7 @@ class Engine(ABC):
     def _engine_wake(self, tags: list[str] | None) -> None: ...
 
     def sleep(self, level: int = 1) -> None:
-        """Put the engine to sleep and remember what that did to its weights."""
+        """Put the engine to sleep (an engine that attests its epoch records it itself)."""
         self._engine_sleep(level)
         self.mark_asleep(level)
 
@@ -161,76 +190,139 @@ class Engine(ABC):
         self._engine_wake(tags)
         self.mark_awake(tags)
 
-    def _observe(self) -> None:
-        """Fold in sleeps and wakes made on the engine without this adapter.
-
-        Frameworks sleep the engine themselves (TRL calls ``llm.sleep(level=2)`` in its
-        ``__init__`` and after every generate). An adapter that can see those calls records them
-        here with `mark_asleep` / `mark_awake`; one that sees a sleep but not its
-        level must record level 2, the level that discards the base. Called before the sleep
-        state is read. The default sees nothing: such an engine relies on `sleep` and
-        `mark_asleep`.
-        """
-
     def mark_asleep(self, level: int) -> None:
-        """Record a sleep the caller made on the engine directly (without `sleep`)."""
+        """Report a sleep the caller made on the engine directly (without `sleep`).
+
+        An engine that attests its epoch sees such sleeps itself; a report still counts, and
+        turns skipping off until the next completed base restore. An engine that cannot
+        attest knows of sleeps only this way (and through `sleep`)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        self._asleep = {"weights", "kv_cache"}
-        self._deepest_sleep = max(self._deepest_sleep, level)
-        self._base_discarded = self._base_discarded or level == 2
-        if level == 2:
-            self.held = {}
+        self._own_asleep = {"weights", "kv_cache"}
+        self._known_harm = max(self._known_harm, level)
 
     def mark_awake(self, tags: list[str] | None = None) -> None:
-        """Record a wake the caller made on the engine directly (without `wake_up`)."""
-        self._asleep -= set(tags) if tags is not None else self._asleep
+        """Report a wake the caller made on the engine directly (without `wake_up`)."""
+        self._own_asleep -= set(tags) if tags is not None else self._own_asleep
+
+    def mark_lost(self) -> None:
+        """The trainer side knows the base may be a mix of old and new weights (a write that
+        failed part-way): until a full restore, only a strategy that restores the base may
+        run, and nothing is skipped."""
+        self._known_harm = 2
+        self.forget()
+
+    # --- what the engine attests --------------------------------------------------------------
+
+    def _attest(self, since: Hashable | None) -> Attestation:
+        """What the engine itself reports now, with the worst harm since epoch ``since``
+        (None: all the engine has on record). The default is an engine that can attest
+        nothing: its weights may have been discarded at any time (harm 2), and only the sleeps
+        made through this adapter are known. Override to read the engine's own record."""
+        return Attestation(None, frozenset(self._own_asleep), 2)
+
+    def attest(self) -> Attestation:
+        """The engine's epoch, sleeping tags and the worst harm to its base since the last
+        completed base restore, as the engine reports them *now* (never a cached picture),
+        with what the trainer side knows on top (reported sleeps, failed writes)."""
+        a = self._attest(self._restored_at)
+        return Attestation(a.epoch, a.asleep, max(a.harm, self._known_harm))
 
     @property
     def asleep(self) -> frozenset[str]:
         """The memory tags ("weights", "kv_cache") asleep now."""
-        self._observe()
-        return frozenset(self._asleep)
+        return self.attest().asleep
 
     @property
     def sleep_level(self) -> int:
-        """The deepest sleep level since the last completed base restore (0: none)."""
-        self._observe()
-        return self._deepest_sleep
+        """The worst harm to the base since the last completed base restore: 0 none, 1 a
+        level-1 sleep (weights kept), 2 a level-2 sleep, a write by anyone else, a restart,
+        or anything the engine cannot rule out."""
+        return self.attest().harm
 
     @property
     def base_discarded(self) -> bool:
-        """A level-2 sleep threw the base away and nothing has restored it yet."""
-        self._observe()
-        return self._base_discarded
+        """The base may be gone or replaced since the last completed restore (see
+        `sleep_level`): only a strategy that restores all of it may run."""
+        return self.attest().harm >= 2
 
-    def check_writable(self, *, restores_base: bool, strategy: str) -> None:
-        """Refuse a write the engine's sleep state makes unsafe.
+    def check_writable(self, *, restores_base: bool, strategy: str) -> Attestation:
+        """Refuse a write the engine's sleep state makes unsafe; return the attestation the
+        decision was made on.
 
         Raises:
             EngineAsleepError: the "weights" memory is asleep.
-            BaseDiscardedError: a level-2 sleep discarded the base and ``strategy`` does not
-                restore all of it.
+            BaseDiscardedError: the base may be gone (`base_discarded`) and ``strategy`` does
+                not restore all of it.
         """
-        self._observe()
-        if "weights" in self._asleep:
+        now = self._checked = self.attest()
+        if "weights" in now.asleep:
             raise EngineAsleepError(
                 f"{strategy}: the engine's weights are asleep; call wake_up(tags=['weights']) "
                 "before syncing (writing into sleeping weights corrupts memory, trl#5142), "
                 "then wake_up(tags=['kv_cache']) after."
             )
-        if self._base_discarded and not restores_base:
+        if now.harm >= 2 and not restores_base:
             raise BaseDiscardedError(
-                f"{strategy}: a level-2 sleep discarded the engine's base weights and {strategy} "
-                "does not restore them; waking without a full restore generates gibberish "
-                "(vllm#29341). Use FullSync or ReloadWeights (policy.choose picks one when told "
-                "sleep_level=2)."
+                f"{strategy}: the engine's base weights may be gone since the last full restore "
+                "(a level-2 sleep discarded them, or a write by someone else, a restart or a "
+                "failed write replaced them, or the engine cannot attest its state) and "
+                f"{strategy} does not restore them; waking without a full restore generates "
+                "gibberish (vllm#29341). Use FullSync or ReloadWeights (policy.choose picks one "
+                "when told sleep_level=2; Syncer does it by itself)."
             )
+        return now
 
-    def base_restored(self) -> None:
-        """Called by strategies once every base weight has been written."""
-        self._base_discarded = False
-        self._deepest_sleep = 0
+    # --- what the engine holds from weightsync ------------------------------------------------
+
+    def skippable(self) -> tuple[Mapping[str, tuple], Hashable | None, str]:
+        """The record of what the engine holds from the last completed sync (checkpoint name ->
+        content key), the epoch it is valid at, and why it is empty when it is.
+
+        The record counts only while the engine attests that nothing happened to its weights
+        since weightsync wrote them: the same epoch, and no sleep the caller reported."""
+        now = self.attest()
+        if now.epoch is None:
+            return {}, None, "the engine cannot attest its epoch (no weightsync worker extension)"
+        if not self._held:
+            return {}, None, "no earlier completed sync recorded what the engine holds"
+        if self._known_harm:
+            return {}, None, f"a sleep (level {self._known_harm}) was reported since the last sync"
+        if now.epoch != self._held_epoch:
+            return (
+                {},
+                None,
+                (
+                    "the engine's epoch moved since the last sync (a sleep, wake, reload, restart "
+                    "or weight write, by anyone)"
+                ),
+            )
+        return dict(self._held), now.epoch, ""
+
+    def remember(self, held: Mapping[str, tuple], *, restored: bool) -> None:
+        """After a completed write: the engine holds ``held`` (name -> content key) at the
+        epoch it attests now; ``restored``: every base weight was written.
+
+        A write that is not a restore (an adapter sync that also sends a trained head copy)
+        moved the epoch itself; if the base was intact when it started (the attestation
+        `check_writable` returned), the harm is measured from after it, keeping what there was
+        before (a level-1 sleep)."""
+        before = self._checked
+        now = self.attest()
+        if restored:
+            self._restored_at = now.epoch
+            self._known_harm = 0
+        elif before is not None and before.harm < 2 and now.epoch is not None:
+            self._restored_at = now.epoch
+            self._known_harm = max(self._known_harm, before.harm)
+        if held and now.epoch is not None:
+            self._held, self._held_epoch = dict(held), now.epoch
+        else:
+            self.forget()
+
+    def forget(self) -> None:
+        """Drop the record of what the engine holds: the next full sync sends everything."""
+        self._held, self._held_epoch = {}, None
 
 
 _REGISTRY: dict[str, type[Engine]] = {}

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import re
 import time
-import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,8 +22,8 @@ import torch
 from torch import nn
 
 from ..engines.base import Engine, adapt
-from ..errors import WeightMismatchError
-from ..plan import Bucket, Plan, Tensor, change_key, numel
+from ..errors import EngineChangedError, WeightMismatchError
+from ..plan import Bucket, Plan, Tensor, content_key, numel
 from ..stream import buckets
 
 
@@ -149,23 +148,22 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
     weights: the base must be treated as unsynced (``Syncer`` does).
     """
     engine = adapt(engine)
-    engine.check_writable(restores_base=plan.restores_base, strategy=plan.strategy)
+    now = engine.check_writable(restores_base=plan.restores_base, strategy=plan.strategy)
+    if plan.skipped and now.epoch != plan.attested:
+        raise EngineChangedError(
+            f"{plan.strategy}: the engine's epoch moved between planning and writing (a sleep, "
+            "wake, reload or weight write by someone else), so the weights the plan skips may "
+            "no longer be there; nothing was written. Plan the sync again."
+        )
     start = time.perf_counter() if started is None else started
     tally = Tally()
     try:
         _write(plan, engine, tally)
     except BaseException:
-        engine.held = {}  # a part-written engine holds nothing we can vouch for
+        engine.mark_lost()  # a part-written engine holds nothing we can vouch for
         raise
-    if plan.reload:  # the engine re-read a folder: keep no record (skipping is then off once)
-        engine.held = {}
-    elif plan.held_after:
-        engine.held = dict(plan.held_after)
-    else:
-        for t in plan.weights:
-            engine.held.pop(t.name, None)
-    if plan.restores_base:
-        engine.base_restored()
+    # A folder reload re-read what it holds from disk: keep no record (skipping is off once).
+    engine.remember({} if plan.reload else plan.held_after, restored=plan.restores_base)
     return SyncReport(
         strategy=plan.strategy,
         reason=plan.reason,
@@ -199,45 +197,60 @@ def _write(plan: Plan, engine: Engine, tally: Tally) -> None:
         tally.bytes += plan.adapter.nbytes
 
 
-def unchanged(tensors: list[Tensor], engine: Engine) -> tuple[list[Tensor], list[str], dict]:
+@dataclass(frozen=True)
+class Skip:
+    """How a full sync's tensors split into those sent and those the engine still holds."""
+
+    send: list[Tensor]
+    skipped: list[str]
+    groups: list[str]
+    held_after: dict[str, tuple]
+    note: str
+    attested: Hashable | None
+
+
+def unchanged(tensors: list[Tensor], engine: Engine, *, enabled: bool = True) -> Skip:
     """Split a full sync's ``tensors`` into those to send and those the engine already holds.
 
-    A tensor is skipped only when the engine holds exactly it: the engine's record from the
-    last completed sync has the same change key and its inputs are still the same live objects.
-    Skipping is all or nothing per group of tensors the engine loads together -- a decoder layer
-    (``...layers.<i>.``, which also keeps vLLM's fused q/k/v and gate/up together) or one other
-    module -- and tied names share a group, because vLLM's layerwise reload restores a module
-    that received nothing, but a module that received part of its tensors is not finished.
+    A tensor is skipped only when both sides prove it unchanged: on the trainer side its
+    content key (digests of its frozen inputs' bytes, see `content_key`) equals the one
+    recorded when the engine received it; on the engine side the engine attests that its
+    epoch has not moved since that sync (no sleep, wake, reload, restart or write by anyone;
+    see `Engine.skippable`). Skipping is all or nothing per group of tensors the engine loads
+    together -- a decoder layer (``...layers.<i>.``, which also keeps vLLM's fused q/k/v and
+    gate/up together) or one other module -- and tied names share a group, because vLLM's
+    layerwise reload restores a module that received nothing, but a module that received part
+    of its tensors is not finished.
 
-    Returns:
-        (tensors to send, names skipped, the record the engine holds once they are sent).
+    ``enabled=False`` (``FullSync(skip_unchanged=False)``, or a sleep the caller reported)
+    sends everything and records nothing.
     """
-    keys = {t.name: change_key(t) for t in tensors}
-    held_after = {
-        t.name: (
-            keys[t.name],
-            tuple(weakref.ref(x) for x in t.inputs if isinstance(x, torch.Tensor)),
-        )
-        for t in tensors
-        if keys[t.name] is not None
-    }
-
-    def holds(t: Tensor) -> bool:
-        record = engine.held.get(t.name)
-        return (
-            record is not None
-            and keys[t.name] is not None
-            and record[0] == keys[t.name]
-            and all(ref() is not None for ref in record[1])
-        )
-
+    if not enabled:
+        return Skip(list(tensors), [], [], {}, "skip_unchanged is off for this sync", None)
     if not engine.keeps_unsent_layers:
-        return tensors, [], {}
+        return Skip(list(tensors), [], [], {}, "this engine re-processes every layer", None)
+    digests: dict[int, tuple] = {}
+    keys = {t.name: content_key(t, digests) for t in tensors}
+    held_after = {name: key for name, key in keys.items() if key is not None}
+    record, epoch, why_not = engine.skippable()
+    if not record:
+        return Skip(list(tensors), [], [], held_after, why_not, None)
     group_of = _groups(tensors)
-    stale = {group_of[t.name] for t in tensors if not holds(t)}
+    stale = {
+        group_of[t.name]
+        for t in tensors
+        if keys[t.name] is None or record.get(t.name) != keys[t.name]
+    }
     send = [t for t in tensors if group_of[t.name] in stale]
     skipped = [t.name for t in tensors if group_of[t.name] not in stale]
-    return send, skipped, held_after
+    groups = list(dict.fromkeys(group_of[n] for n in skipped))
+    note = (
+        "the xxh3-128 digests of their frozen inputs equal those of the last sync, and the engine "
+        "attests no sleep, wake, reload, restart or weight write since it received them"
+        if skipped
+        else "every group has a trainable or changed input"
+    )
+    return Skip(send, skipped, groups, held_after, note, epoch)
 
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")

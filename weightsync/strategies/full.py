@@ -39,12 +39,13 @@ class FullSync(Strategy):
     Args:
         lora: how to send a LoRA model (ignored for a model without adapters).
         bucket_bytes: size of the groups tensors are materialised and sent in.
-        skip_unchanged: leave out the layers the engine already holds exactly: frozen
-            (``requires_grad=False``) and not written in place since the last completed sync
-            into it -- frozen embeddings, frozen layers, a vision tower, the base of a merged
-            LoRA's untargeted layers. Never after a level-2 sleep, a failed sync or a
-            checkpoint reload, which empty the engine's record. See
-            `change_key` and `unchanged`.
+        skip_unchanged: leave out the layers the engine still holds exactly: every input
+            frozen (``requires_grad=False``) with the same content (xxh3-128 of its bytes) as
+            at the last completed sync into this engine -- frozen embeddings, frozen layers, a
+            vision tower, the base of a merged LoRA's untargeted layers -- and the engine
+            attests that nothing touched its weights since (its epoch). Never after a sleep
+            the caller reports, a failed sync, a checkpoint reload, or into an engine that
+            cannot attest. See `content_key` and `unchanged`.
         reason: why this strategy was chosen, for logs.
     """
 
@@ -92,19 +93,20 @@ class FullSync(Strategy):
             model, merge_lora=peft and mode == "merge", expected=engine.expected_weights
         )
         check_names(tensors, engine, complete=True)
-        send, skipped, held_after = unchanged(tensors, engine)
-        if not self.skip_unchanged:
-            send, skipped = tensors, []
+        skip = unchanged(tensors, engine, enabled=self.skip_unchanged)
         return Plan(
             strategy=self.label,
             reason=self.reason,
             engine=engine.describe(),
             dtype=engine.dtype,
-            weights=tuple(send),
+            weights=tuple(skip.send),
             adapter=served,
             restores_base=True,
             bucket_bytes=self.bucket_bytes,
             notes=notes,
-            skipped=tuple(skipped),
-            held_after=held_after,
+            skipped=tuple(skip.skipped),
+            skipped_groups=tuple(skip.groups),
+            skip_note=skip.note,
+            attested=skip.attested,
+            held_after=skip.held_after,
         )

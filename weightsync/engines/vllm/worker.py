@@ -38,6 +38,9 @@ from typing import Any
 
 import torch
 
+from . import checkpoint as ckpt
+from . import ledger
+
 #: safetensors metadata key under which a bucket file lists names stored under another name
 #: (a tied tensor is written once: safetensors refuses shared storage).
 ALIASES_KEY = "weightsync.aliases"
@@ -61,22 +64,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-def checkpoint_shapes(folder: str) -> dict[str, list[int]]:
-    """Name -> shape of every tensor in the safetensors files of ``folder`` (headers only)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shapes[key] = list(h.get_slice(key).get_shape())
-    if not shapes:
-        raise FileNotFoundError(
-            f"no *.safetensors files in {folder!r}: cannot tell what the engine loads"
-        )
-    return shapes
 
 
 def shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
@@ -339,8 +326,17 @@ class WeightsyncWorker:
     def _weightsync_read_facts(self) -> dict[str, Any]:
         config = self.vllm_config
         model = self.model_runner.get_model()
-        checkpoint = config.model_config.model
-        shapes = checkpoint_shapes(checkpoint)
+        model_config = config.model_config
+        checkpoint = ckpt.local_folder(model_config.model, model_config.revision)
+        # What the engine loads, as the in-process engine reads it (checkpoint.py): the weights
+        # of the model its config builds, as the files vLLM's loader picked hold them (not a
+        # glob: a stray duplicate file adds nothing); none read (dummy): that model's layout.
+        files = ckpt.weight_files(checkpoint, config.load_config)
+        loaded = ckpt.loaded_shapes(
+            ckpt.config_model(model_config.hf_config, model_config.trust_remote_code),
+            files if ckpt.loads_files(config.load_config) else None,
+        )
+        shapes: dict[str, Any] = {name: list(shape) for name, shape in loaded.items()}
         shared, twins = tied_weights(shared_parameter_names(model), shapes)
         lora = None
         if config.lora_config is not None:
@@ -353,11 +349,19 @@ class WeightsyncWorker:
             "dtype": str(config.model_config.dtype).removeprefix("torch."),
             "weights": shapes,
             "shared": shared,
-            "twins": twins,
+            "files": files,
+            "twins": twins,  # of the files read (a reload folds them in against its own files)
             "lora": lora,
             "world_size": config.parallel_config.world_size,
             "rank": self.rank,
         }
+
+    def weightsync_attest(
+        self, since: list[list[Any]] | None = None, asleep: bool = False
+    ) -> dict[str, Any]:
+        """This worker's epoch, sleeping tags and the worst harm since ``since`` (see
+        ``ledger.py``); installs the ledger on the first call."""
+        return ledger.attest(self, since, asleep)
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -396,7 +400,16 @@ class WeightsyncWorker:
         """Re-read a checkpoint folder (the one the engine started from when ``path`` is
         empty), sending tied tensors under every name, so ``lm_head`` is not left stale."""
         facts = self.weightsync_facts()
-        return self._weightsync_load(read_bucket_files(path or facts["checkpoint"], facts["twins"]))
+        try:  # the files vLLM's loader picks there, as for the facts
+            files = (
+                ckpt.weight_files(path, self.vllm_config.load_config) if path else facts["files"]
+            )
+            if not files:
+                raise FileNotFoundError(f"no weight files in {path or facts['checkpoint']!r}")
+            _, twins = tied_weights(facts["shared"], dict(ckpt.shapes(files)))
+        except Exception as e:  # noqa: BLE001 (returned to the trainer, see above)
+            return _error(e)
+        return self._weightsync_load(ckpt.read_with_twins(files, twins))
 
     def weightsync_join_gloo(
         self, host: str, port: int, world_size: int, timeout_s: float

@@ -1,0 +1,36 @@
+"""The epoch's arithmetic, without an engine: what a worker's ledger answers about the harm since
+an epoch (the wrapping of vLLM's own methods is tested on real engines in test_attested_vllm.py,
+test_server_vllm.py and test_multiproc_vllm.py)."""
+
+from __future__ import annotations
+
+from weightsync.engines.vllm.ledger import LOG_SIZE, Ledger
+
+
+def test_harm_since_an_epoch_is_the_worst_logged_after_it():
+    ledger = Ledger(asleep=False)
+    assert ledger.report(None)["harm"] == 0
+    ledger.record(2)  # a write
+    mark = [ledger.boot, ledger.epoch]
+    assert ledger.report(mark) == {"boot": ledger.boot, "epoch": 1, "asleep": [], "harm": 0}
+    ledger.record(1)  # a level-1 sleep and its wake
+    ledger.record(1)
+    assert ledger.report(mark)["harm"] == 1
+    ledger.record(2)  # a level-2 sleep
+    assert ledger.report(mark)["harm"] == 2
+    assert ledger.report([ledger.boot, ledger.epoch])["harm"] == 0
+
+
+def test_another_boot_or_a_log_too_short_counts_as_lost():
+    ledger = Ledger(asleep=False)
+    assert ledger.report(["another-process", 0])["harm"] == 2  # the engine restarted
+    mark = [ledger.boot, ledger.epoch]
+    for _ in range(LOG_SIZE + 1):
+        ledger.record(1)
+    assert ledger.report(mark)["harm"] == 2  # what happened first is no longer known
+
+
+def test_asleep_when_installed_is_an_unknown_level():
+    ledger = Ledger(asleep=True)
+    report = ledger.report(None)
+    assert report["harm"] == 2 and report["asleep"] == ["kv_cache", "weights"]

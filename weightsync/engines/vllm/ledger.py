@@ -1,0 +1,150 @@
+"""The engine's own account of its weights, kept inside each vLLM worker: the epoch.
+
+A trainer that remembers what it sent cannot know what happened to the engine since: another
+client may have slept it (``POST /sleep?level=2``), the framework may have called
+``llm.sleep(level=2); llm.wake_up()`` or written weights with ``model.load_weights`` (TRL,
+verl, OpenRLHF, NeMo-RL all do), the server may have restarted. So the worker keeps the record
+itself. Every call through which vLLM changes or may lose the weights advances the worker's
+*epoch* and is logged with the harm it may have done:
+
+- harm 1: a level-1 sleep (weights offloaded to host memory and kept) or a wake;
+- harm 2: a level-2 sleep (weights discarded), any weight write or reload (``reload_weights``,
+  ``load_model``, the weight-transfer API's ``update_weights`` / ``finish_weight_update``, the
+  model's own ``load_weights``), by anyone -- weightsync's own writes included.
+
+The trainer reads the epoch after each write it completes (`attest`); later it asks for the
+harm *since* that epoch. A restarted engine has a new ``boot`` id, and a log that no longer
+reaches back that far counts as harm 2: what cannot be shown to be intact is assumed lost.
+What is not seen: a caller writing parameter memory directly (``param.data.copy_`` inside
+``apply_model``), which goes through no vLLM call (docs/engines.md says so).
+
+The ledger is installed the first time a trainer asks (`attest`), by wrapping those methods on
+the worker, its model runner and its model (vLLM resolves ``collective_rpc`` method names on the
+instance, so the wrappers see every caller). If the engine is asleep when it is installed, the
+sleep's level is unknown and is logged as harm 2.
+
+This module runs inside vLLM's workers (and in the trainer's process for an in-process engine);
+it imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections import deque
+from typing import Any
+
+#: Log length per worker; a trainer asking about an older epoch is told harm 2.
+LOG_SIZE = 4096
+
+#: Worker and model-runner methods that change or may lose the weights, and their harm.
+_WORKER_METHODS = {
+    "reload_weights": 2,
+    "load_model": 2,
+    "update_weights": 2,
+    "finish_weight_update": 2,
+}
+
+
+class Ledger:
+    """One worker's epoch, log of (epoch, harm) and sleeping tags."""
+
+    def __init__(self, asleep: bool) -> None:
+        self.boot = uuid.uuid4().hex
+        self.epoch = 0
+        self.log: deque[tuple[int, int]] = deque(maxlen=LOG_SIZE)
+        self.asleep: set[str] = set()
+        if asleep:  # slept before anyone watched: the level is unknown
+            self.record(2)
+            self.asleep = {"weights", "kv_cache"}
+
+    def record(self, harm: int) -> None:
+        self.epoch += 1
+        self.log.append((self.epoch, harm))
+
+    def report(self, since: list[Any] | None) -> dict[str, Any]:
+        """This worker's boot, epoch, sleeping tags, and the worst harm logged after epoch
+        ``since`` (``[boot, epoch]``; None: since the ledger was installed)."""
+        if since is None:
+            harm = max((h for _, h in self.log), default=0)
+        elif since[0] != self.boot:
+            harm = 2  # another process: the engine restarted
+        elif self.log and self.log[0][0] > int(since[1]) + 1:
+            harm = 2  # the log no longer reaches back to it
+        else:
+            harm = max((h for e, h in self.log if e > int(since[1])), default=0)
+        return {"boot": self.boot, "epoch": self.epoch, "asleep": sorted(self.asleep), "harm": harm}
+
+
+def _worker(obj: Any) -> Any:
+    """The vLLM worker behind ``obj`` (a ``collective_rpc`` callable receives vLLM's wrapper)."""
+    return getattr(obj, "worker", None) or obj
+
+
+def _wrap(owner: Any, method: str, ledger: Ledger, harm: int) -> None:
+    original = getattr(owner, method, None)
+    if original is None or getattr(original, "_weightsync_ledger", None) is ledger:
+        return
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:  # a write that failed part-way did its harm too
+            ledger.record(harm)
+            if method == "load_model":
+                _watch_model(owner, ledger)
+
+    recorded._weightsync_ledger = ledger  # type: ignore[attr-defined]
+    setattr(owner, method, recorded)
+
+
+def _watch_model(owner: Any, ledger: Ledger) -> None:
+    runner = getattr(owner, "model_runner", owner)
+    get_model = getattr(runner, "get_model", None)
+    model = get_model() if get_model is not None else getattr(runner, "model", None)
+    if model is not None:
+        _wrap(model, "load_weights", ledger, 2)
+
+
+def _install(worker: Any, asleep: bool) -> Ledger:
+    ledger = Ledger(asleep)
+    sleep, wake_up = worker.sleep, worker.wake_up
+
+    @functools.wraps(sleep)
+    def recorded_sleep(level: int = 1) -> Any:
+        ledger.record(2 if level >= 2 else 1)  # before: a sleep that fails part-way counts
+        ledger.asleep = {"weights", "kv_cache"}
+        return sleep(level)
+
+    @functools.wraps(wake_up)
+    def recorded_wake_up(tags: list[str] | None = None) -> Any:
+        try:
+            return wake_up(tags)
+        finally:
+            ledger.record(1)
+            ledger.asleep -= set(tags) if tags else set(ledger.asleep)
+
+    worker.sleep, worker.wake_up = recorded_sleep, recorded_wake_up
+    for owner in (worker, getattr(worker, "model_runner", None)):
+        if owner is not None:
+            for method, harm in _WORKER_METHODS.items():
+                _wrap(owner, method, ledger, harm)
+    _watch_model(worker, ledger)
+    worker._weightsync_ledger = ledger
+    return ledger
+
+
+def attest(obj: Any, since: list[list[Any]] | None = None, asleep: bool = False) -> dict[str, Any]:
+    """What this worker attests about its weights (see `Ledger.report`), installing the
+    ledger on first use (``asleep``: the engine is asleep now, as its executor says).
+
+    A ``collective_rpc`` target: ``since`` holds one ``[boot, epoch]`` per worker rank, or
+    None. The worker extension exposes it as ``weightsync_attest``."""
+    worker = _worker(obj)
+    ledger = getattr(worker, "_weightsync_ledger", None)
+    if ledger is None:
+        ledger = _install(worker, asleep)
+    rank = int(getattr(worker, "rank", 0) or 0)
+    mine = since[rank] if since is not None and rank < len(since) else None
+    return ledger.report(mine)
