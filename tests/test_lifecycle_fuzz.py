@@ -1,0 +1,673 @@
+"""A lifecycle fuzzer: seeded random walks of training steps, sleeps and syncs against real
+vLLM engines, checking weightsync's promise after EVERY sync:
+
+    after a sync the engine's greedy tokens equal the trainer's (float32 logprobs within 1e-3),
+    or a ``WeightSyncError`` was raised with zero engine writes and the engine still generates
+    exactly what it generated before the call.
+
+Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[seed % 12]``) for
+``WEIGHTSYNC_FUZZ_STEPS`` steps; every step picks one rule at random:
+
+- training: a trainable update (``testing.perturb``); a ``.data`` write on a frozen tensor
+  (``p.data.add_`` / ``p.data.copy_``); an honest in-place write on a frozen tensor under
+  ``no_grad`` (must always be seen); PEFT ``merge_adapter()`` / ``unmerge_adapter()`` in place;
+  an adapter switch (a second adapter, ``add_adapter`` + ``set_adapter``);
+- sleeps by every path: the engine adapter's ``sleep``/``wake_up``; ``llm.sleep``/``llm.wake_up``
+  directly on the ``vllm.LLM`` (in-process and multiprocess); another HTTP client's ``/sleep``
+  and ``/wake_up`` on a server; a sleep weightsync cannot see that the caller reports (the
+  ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
+  After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself,
+  without telling weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset;
+- syncs by every entry point: ``Syncer.sync``, ``policy.choose`` + ``strategy.sync`` (the caller
+  tracking ``base_sync_done`` and the sleep level as a framework does), a ``Replicas`` target,
+  and ``weightsync.distributed.sync`` (with a Syncer or a strategy) in a one-process gloo group.
+
+Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
+merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
+``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled) and a ``vllm serve``
+(LoRA enabled); the replica target is the last two together.
+
+Profiles (``test_found_before`` always replays the walks that found bugs, see ``FOUND``)::
+
+    pytest -q tests/test_lifecycle_fuzz.py                          # short: seeds 0-11, 12 steps
+    WEIGHTSYNC_FUZZ_STEPS=500 WEIGHTSYNC_FUZZ_SEEDS=0-47 pytest ...  # long
+    WEIGHTSYNC_FUZZ_SEED=7 WEIGHTSYNC_FUZZ_STEPS=40 pytest ...       # replay one seed
+
+``WEIGHTSYNC_FUZZ_SEEDS`` takes ``a-b`` ranges and commas (``0-11,40,97``). A failure names the
+seed, the world, the step, and the full rule history to replay it.
+
+Only public API is used (Syncer, policy, strategies, engines, distributed.sync, testing's
+helpers other than ``discard_weights``, which resets weightsync's record and would hide bugs)
+and vLLM itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+
+from weightsync import FullSync, Syncer, policy
+from weightsync import distributed as wdist
+from weightsync import testing as T
+from weightsync.engines import Replicas, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
+from weightsync.errors import WeightSyncError
+
+ATOL = 1e-3
+MAX_TOKENS = 8
+LORA = dict(
+    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+)
+OTHER_LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "up_proj"])
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+
+TARGETS = ("inproc", "multiproc", "server", "replicas")
+SETUPS = ("full", "merged", "served")
+WORLDS = [(t, s) for t in TARGETS for s in SETUPS]
+
+
+def _seeds() -> list[int]:
+    one = os.environ.get("WEIGHTSYNC_FUZZ_SEED")
+    if one is not None:
+        return [int(one)]
+    spec = os.environ.get("WEIGHTSYNC_FUZZ_SEEDS", f"0-{len(WORLDS) - 1}")
+    seeds: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            a, b = part.split("-")
+            seeds += range(int(a), int(b) + 1)
+        elif part:
+            seeds.append(int(part))
+    return seeds
+
+
+STEPS = int(os.environ.get("WEIGHTSYNC_FUZZ_STEPS", "12"))
+SEEDS = _seeds()
+
+pytestmark = pytest.mark.timeout(max(900, 60 * STEPS * len(SEEDS)))
+
+
+# --- engines ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Phys:
+    """One real vLLM engine: its weightsync adapter and the raw handles other parties use."""
+
+    name: str
+    kind: str  # "inproc" | "multiproc" | "server"
+    adapter: Any
+    garbage_dir: str
+    llm: Any = None
+    url: str | None = None
+
+    # what someone else (the framework, another HTTP client) does, behind weightsync's back
+    def direct_sleep(self, level: int) -> None:
+        if self.kind == "server":
+            requests.post(
+                self.url + "/sleep", params={"level": level}, timeout=120
+            ).raise_for_status()
+        else:
+            self.llm.sleep(level=level)
+
+    def direct_wake(self) -> None:
+        if self.kind == "server":
+            requests.post(self.url + "/wake_up", timeout=120).raise_for_status()
+        else:
+            self.llm.wake_up()
+
+    def is_sleeping(self) -> bool:
+        if self.kind == "server":
+            r = requests.get(self.url + "/is_sleeping", timeout=60)
+            r.raise_for_status()
+            return bool(r.json()["is_sleeping"])
+        return bool(self.llm.llm_engine.is_sleeping())
+
+    @torch.no_grad()
+    def garbage(self) -> None:
+        """What a level-2 sleep does on a GPU: the weights are gone. Written through vLLM, not
+        through weightsync, which is not told."""
+        if self.kind == "inproc":
+            gen = torch.Generator().manual_seed(4321)
+            pairs = [
+                (n, (torch.randn(s, generator=gen) * 0.3).to(self.adapter.dtype))
+                for n, s in self.adapter.expected_weights.items()
+            ]
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+            )
+            self.llm.reset_prefix_cache()
+        elif self.kind == "multiproc":
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_path": self.garbage_dir, "is_checkpoint_format": True},
+            )
+            self.llm.reset_prefix_cache()
+        else:
+            r = requests.post(
+                self.url + "/collective_rpc",
+                json={
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": self.garbage_dir, "is_checkpoint_format": True},
+                },
+                timeout=300,
+            )
+            r.raise_for_status()
+            requests.post(self.url + "/reset_prefix_cache", timeout=60).raise_for_status()
+
+    def generate(self) -> Any:
+        """The engine's greedy tokens on the standard prompts (or the error generating raised)."""
+        try:
+            return [tokens for tokens, _ in self.adapter.greedy_batch(T.PROMPTS, MAX_TOKENS)]
+        except Exception as e:  # noqa: BLE001 -- compared, not hidden
+            self.abort_left()
+            return f"<generate raised {type(e).__name__}: {str(e)[:200]}>"
+
+    def abort_left(self) -> None:
+        """A ``generate`` that raised leaves its requests in vLLM's scheduler, and the next one
+        spins on them forever (in-process): abort them, as tests/conftest.py does."""
+        if self.llm is not None:
+            engine = self.llm.llm_engine
+            left = list(engine.output_processor.request_states)
+            if left:
+                engine.abort_request(left, internal=True)
+
+    @contextlib.contextmanager
+    def count_writes(self):
+        if self.kind == "server":
+            control = self.adapter.control
+            writes: list[str] = []
+            for name in ("rpc", "load_lora", "unload_lora", "pause"):
+                fn = getattr(control, name)
+
+                def counted(*a, _n=name, _fn=fn, **k):
+                    if not (_n == "rpc" and T.reads_only(str(a[0] if a else k.get("method")))):
+                        writes.append(f"{_n}:{a[0] if a else ''}")
+                    return _fn(*a, **k)
+
+                setattr(control, name, counted)
+            try:
+                yield writes
+            finally:
+                for name in ("rpc", "load_lora", "unload_lora", "pause"):
+                    delattr(control, name)
+        else:
+            with T.count_writes(self.adapter) as writes:
+                yield writes
+
+    def recover(self) -> None:
+        """Awake, and weightsync's record of it awake (a walk that failed may leave it asleep)."""
+        if self.is_sleeping():
+            self.direct_wake()
+        if self.adapter.asleep:
+            self.adapter.wake_up()
+        self.abort_left()
+
+
+def _write_garbage_checkpoint(expected: dict, folder: Path) -> str:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(4321)
+    save_file(
+        {n: (torch.randn(s, generator=gen) * 0.3).contiguous() for n, s in expected.items()},
+        str(folder / "model.safetensors"),
+    )
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Every engine, started together (the server boots while the in-process ones load), and a
+    one-process gloo group for ``weightsync.distributed.sync``."""
+    root = tmp_path_factory.mktemp("fuzz")
+    checkpoint = T.save_checkpoint(T.tiny_model("qwen2", seed=0), root / "ck")
+    with contextlib.ExitStack() as stack:
+        server = T.VLLMServer(checkpoint, root / "server.log", args=LORA_ARGS)
+        stack.callback(lambda: server.alive() and server.stop())  # if we fail before serving()
+        plain = VLLMEngine(T.make_llm(checkpoint))
+        lora = VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16))
+        garbage_dir = _write_garbage_checkpoint(dict(plain.expected_weights), root / "garbage")
+        mp_llm = stack.enter_context(
+            T.multiproc_llm(checkpoint, enable_lora=True, max_lora_rank=16, max_loras=1)
+        )
+        mp = VLLMMultiprocEngine(mp_llm, transport="tmpfs")
+        stack.callback(mp.close)
+        stack.enter_context(T.serving(server))
+        srv = VLLMServerEngine(server.url, transport="tmpfs")
+        stack.callback(srv.close)
+
+        own_group = not dist.is_initialized()
+        if own_group:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{T.free_port()}", rank=0, world_size=1
+            )
+            group = None
+        else:  # vLLM made the default group: sync over a gloo group of our own
+            group = dist.new_group([dist.get_rank()], backend="gloo")
+        try:
+            yield {
+                "plain": Phys("inproc-plain", "inproc", plain, garbage_dir, llm=plain.llm),
+                "lora": Phys("inproc-lora", "inproc", lora, garbage_dir, llm=lora.llm),
+                "multiproc": Phys("multiproc", "multiproc", mp, garbage_dir, llm=mp_llm),
+                "server": Phys("server", "server", srv, garbage_dir, url=server.url),
+                "group": group,
+            }
+        finally:
+            if own_group:
+                dist.destroy_process_group()
+            else:
+                dist.destroy_process_group(group)
+
+
+# --- the walk --------------------------------------------------------------------------------
+
+
+class Violation(AssertionError):
+    pass
+
+
+@dataclass
+class Walk:
+    seed: int
+    target: str
+    setup: str
+    engines: dict
+    steps: int
+    rng: random.Random = field(init=False)
+    history: list[str] = field(default_factory=list)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        e = self.engines
+        if self.target == "inproc":
+            self.phys = [e["lora"] if self.setup == "served" else e["plain"]]
+            self.engine = self.phys[0].adapter
+        elif self.target == "replicas":
+            self.phys = [e["multiproc"], e["server"]]
+            self.engine = Replicas([p.adapter for p in self.phys])
+        else:
+            self.phys = [e[self.target]]
+            self.engine = self.phys[0].adapter
+        self.group = e["group"]
+        self.lora = self.setup != "full"
+        self.served = self.setup == "served"
+        self.train_type = "lora" if self.lora else "full"
+        self.asleep: dict[str, tuple[str, int]] = {}  # phys name -> (path, level)
+        self.pending_garbage: set[str] = set()
+        self.known_level = 0  # deepest sleep since the last completed sync, as the caller knows
+        self.must_report = False  # a sleep weightsync cannot see happened: the caller reports it
+        self.fw_base_sync_done = True  # the caller's own flag (policy path)
+        self.merged_inplace = False
+        self.other_added = False
+        self.active = "default"
+        self.noise = 0
+
+    # -- bookkeeping --
+    def log(self, text: str) -> None:
+        self.history.append(f"{self.step:3d}: {text}")
+
+    def fail(self, what: str) -> None:
+        raise Violation(
+            f"weightsync lifecycle fuzz: seed {self.seed} world {self.target}/{self.setup} "
+            f"step {self.step}: {what}\n"
+            f"replay: WEIGHTSYNC_FUZZ_SEED={self.seed} WEIGHTSYNC_FUZZ_STEPS={self.steps} "
+            f"pytest -q tests/test_lifecycle_fuzz.py -s\n"
+            "history:\n  " + "\n  ".join(self.history)
+        )
+
+    def gen(self) -> torch.Generator:
+        self.noise += 1
+        return torch.Generator().manual_seed(self.seed * 100003 + self.noise)
+
+    # -- the model --
+    def build_model(self) -> None:
+        base = T.tiny_model("qwen2", seed=0)  # the engines' checkpoint
+        if not self.lora:
+            base.model.embed_tokens.requires_grad_(False)  # tied: lm_head frozen too
+            base.model.norm.requires_grad_(False)
+            self.model = base
+            T.perturb(self.model, seed=self.seed)
+        else:
+            self.model = get_peft_model(base, LoraConfig(**LORA))
+            T.perturb(self.model, seed=self.seed, scale=0.3)
+
+    def frozen(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [
+            (n, p)
+            for n, p in self.model.named_parameters()
+            if not p.requires_grad and "lora_" not in n
+        ]
+
+    def base_written(self) -> None:
+        """A framework that writes the base of a served LoRA marks the base unsynced, so the
+        next sync pushes it (FullSync) instead of the adapter alone."""
+        if self.served:
+            self.syncer.base_sync_done = False
+            self.fw_base_sync_done = False
+
+    def pick_frozen(self) -> tuple[str, torch.nn.Parameter]:
+        params = self.frozen()
+        emb = [x for x in params if "embed_tokens" in x[0]]
+        return emb[0] if (emb and self.rng.random() < 0.5) else self.rng.choice(params)
+
+    # -- rules --
+    def r_perturb(self) -> None:
+        s = self.rng.randrange(10**6)
+        T.perturb(self.model, seed=s, scale=0.3 if self.lora else 0.05)
+        self.log(f"train: perturb(seed={s}) trainable params")
+
+    @torch.no_grad()
+    def r_data_write(self) -> None:
+        name, p = self.pick_frozen()
+        noise = torch.randn(p.shape, generator=self.gen()) * 0.05
+        how = self.rng.choice(["add", "copy"])
+        if how == "add":
+            p.data.add_(noise.to(p.dtype))
+            self.log(f"train: frozen {name}.data.add_(noise)")
+        else:
+            p.data.copy_(p.data + noise.to(p.dtype))
+            self.log(f"train: frozen {name}.data.copy_(p + noise)")
+        self.base_written()
+
+    @torch.no_grad()
+    def r_frozen_inplace(self) -> None:
+        name, p = self.pick_frozen()
+        p.add_((torch.randn(p.shape, generator=self.gen()) * 0.05).to(p.dtype))
+        self.log(f"train: frozen {name}.add_(noise) under no_grad (version bumped)")
+        self.base_written()
+
+    def r_merge_toggle(self) -> None:
+        if self.merged_inplace:
+            self.model.unmerge_adapter()
+            self.merged_inplace = False
+            self.log("train: model.unmerge_adapter() (in place)")
+        else:
+            self.model.merge_adapter()
+            self.merged_inplace = True
+            self.log("train: model.merge_adapter() (in place)")
+        self.base_written()
+
+    def r_switch_adapter(self) -> None:
+        if self.merged_inplace:
+            self.model.unmerge_adapter()
+            self.merged_inplace = False
+            self.log("train: model.unmerge_adapter() (before switching)")
+            self.base_written()
+        if not self.other_added:
+            self.model.add_adapter("other", LoraConfig(**OTHER_LORA))
+            self.other_added = True
+        self.active = "other" if self.active == "default" else "default"
+        self.model.set_adapter(self.active)
+        s = self.rng.randrange(10**6)
+        T.perturb(self.model, seed=s, scale=0.3)
+        self.log(f"train: set_adapter({self.active!r}) + perturb(seed={s})")
+
+    def r_sleep(self) -> None:
+        awake = [p for p in self.phys if p.name not in self.asleep]
+        if not awake:
+            return self.r_wake()
+        level = self.rng.choice([1, 2])
+        paths = ["adapter", "direct", "reported"]
+        path = self.rng.choice(paths)
+        if (
+            self.target == "replicas"
+            and path == "adapter"
+            and self.rng.random() < 0.5
+            and len(awake) == len(self.phys)
+        ):
+            self.engine.sleep(level)  # Replicas.sleep: every replica
+            for p in self.phys:
+                self.asleep[p.name] = ("adapter", level)
+                if level == 2:
+                    self.pending_garbage.add(p.name)
+            self.known_level = max(self.known_level, level)
+            self.log(f"sleep: Replicas.sleep({level}) (every replica)")
+            return
+        p = self.rng.choice(awake)
+        self.known_level = max(self.known_level, level)
+        if path == "reported":
+            # a sleep weightsync cannot see (made some other way); the caller will report it
+            if level == 2:
+                p.garbage()
+            self.must_report = True
+            self.log(
+                f"sleep: level {level} on {p.name} unseen by weightsync, the caller will report it"
+                + (" [weights discarded]" if level == 2 else "")
+            )
+            return
+        if path == "adapter":
+            p.adapter.sleep(level)
+            what = f"{p.name} engine.sleep({level}) (weightsync adapter)"
+        else:
+            p.direct_sleep(level)
+            what = (
+                f"{p.name} requests.post(/sleep?level={level}) (another HTTP client)"
+                if p.kind == "server"
+                else f"{p.name} llm.sleep(level={level}) (directly on vLLM's LLM)"
+            )
+        self.asleep[p.name] = (path, level)
+        if level == 2:
+            self.pending_garbage.add(p.name)
+        self.log(f"sleep: {what}")
+
+    def wake(self, p: Phys) -> None:
+        path, _level = self.asleep.pop(p.name)
+        how = path if path != "adapter" else self.rng.choice(["adapter", "direct"])
+        if how == "adapter" and self.target == "replicas" and self.rng.random() < 0.3:
+            self.engine.wake_up()  # Replicas.wake_up: wakes every replica
+            for q in self.phys:
+                self.asleep.pop(q.name, None)
+            self.log("wake: Replicas.wake_up()")
+        elif how == "adapter":
+            p.adapter.wake_up()
+            self.log(f"wake: {p.name} engine.wake_up()")
+        else:
+            p.direct_wake()
+            self.log(
+                f"wake: {p.name} "
+                + (
+                    "requests.post(/wake_up) (another HTTP client)"
+                    if p.kind == "server"
+                    else "llm.wake_up() (directly)"
+                )
+            )
+        for q in self.phys:
+            if q.name in self.pending_garbage and q.name not in self.asleep:
+                q.garbage()
+                self.pending_garbage.discard(q.name)
+                self.log(
+                    f"       {q.name}: weights discarded (level-2 sleep simulated through vLLM)"
+                )
+
+    def r_wake(self) -> None:
+        names = list(self.asleep)
+        if not names:
+            return self.r_perturb()
+        name = self.rng.choice(names)
+        self.wake(next(p for p in self.phys if p.name == name))
+
+    def wake_all(self) -> None:
+        while self.asleep:
+            name = next(iter(self.asleep))
+            self.wake(next(p for p in self.phys if p.name == name))
+
+    # -- syncing --
+    def choose_strategy(self, sleep_level: int):
+        return policy.choose(
+            train_type=self.train_type,
+            rollout_lora=self.served,
+            base_sync_done=self.fw_base_sync_done,
+            sleep_level=sleep_level,
+        )
+
+    def run_entry(self) -> str:
+        """Run one sync through a random entry point; the history line says which."""
+        entry = self.rng.choice(["syncer", "policy", "dist_syncer", "dist_policy"])
+        report_how = "none"
+        if self.known_level and entry in ("syncer", "dist_syncer"):
+            options = ["arg", "mark"] if entry == "syncer" else ["mark"]
+            if not self.must_report:
+                options.append("none")
+            report_how = self.rng.choice(options)
+        if report_how == "mark":
+            self.engine.mark_asleep(self.known_level)
+            self.engine.mark_awake()
+        level_arg = self.known_level if report_how == "arg" else None
+        line = {
+            "syncer": f"Syncer.sync(model{f', sleep_level={level_arg}' if level_arg is not None else ''})",
+            "policy": f"policy.choose(base_sync_done={self.fw_base_sync_done}, sleep_level={self.known_level}) + strategy.sync",
+            "dist_syncer": "distributed.sync(syncer, model)",
+            "dist_policy": f"distributed.sync(policy.choose(base_sync_done={self.fw_base_sync_done}, sleep_level={self.known_level}), model, engine)",
+        }[entry]
+        if report_how == "mark":
+            line = f"engine.mark_asleep({self.known_level}); engine.mark_awake(); " + line
+        self.pending_line = "sync: " + line
+        if entry == "syncer":
+            report = self.syncer.sync(self.model, sleep_level=level_arg)
+        elif entry == "dist_syncer":
+            report = wdist.sync(self.syncer, self.model, group=self.group)
+        else:
+            strategy = self.choose_strategy(self.known_level)
+            self.fw_base_sync_done = False
+            if entry == "policy":
+                report = strategy.sync(self.model, self.engine)
+            else:
+                report = wdist.sync(strategy, self.model, self.engine, group=self.group)
+            self.fw_base_sync_done = True
+        return f"{line} -> {report.strategy}, {report.tensors} tensors"
+
+    def r_sync(self) -> None:
+        self.wake_all()
+        before = {p.name: p.generate() for p in self.phys}
+        with contextlib.ExitStack() as stack:
+            writes = {p.name: stack.enter_context(p.count_writes()) for p in self.phys}
+            self.pending_line = "sync"
+            try:
+                line = self.run_entry()
+            except WeightSyncError as e:
+                self.log(f"{self.pending_line} -> refused: {type(e).__name__}: {str(e)[:160]}")
+                refused = e
+            except Exception as e:  # noqa: BLE001
+                self.log(f"{self.pending_line} -> raised {type(e).__name__}: {str(e)[:300]}")
+                self.fail(f"the sync raised {type(e).__name__} (not a WeightSyncError): {e}")
+            else:
+                refused = None
+                self.log("sync: " + line)
+        if refused is not None:
+            wrote = {n: w for n, w in writes.items() if w}
+            if wrote:
+                self.fail(f"{type(refused).__name__} raised after engine writes: {wrote}")
+            for p in self.phys:
+                after = p.generate()
+                if after != before[p.name]:
+                    self.fail(
+                        f"{type(refused).__name__} raised but {p.name} changed what it generates: "
+                        f"before {before[p.name]}, after {after}"
+                    )
+            return
+        self.known_level = 0
+        self.must_report = False
+        self.check_matches()
+
+    def check_matches(self) -> None:
+        for p in self.phys:
+            try:
+                result = T.compare(self.model, p.adapter, max_tokens=MAX_TOKENS)
+            except Exception as e:  # noqa: BLE001
+                p.abort_left()
+                self.fail(
+                    f"after the sync, comparing {p.name} with the trainer raised {type(e).__name__}: {e}"
+                )
+            if result["engine"] != result["trainer"] or not result["max_logprob_diff"] <= ATOL:
+                self.fail(
+                    f"after the sync {p.name} does not serve the trainer's model: engine tokens "
+                    f"{result['engine']} != trainer tokens {result['trainer']} or max logprob diff "
+                    f"{result['max_logprob_diff']:.4g} > {ATOL}"
+                )
+
+    def rules(self) -> list[tuple[Any, int]]:
+        rules = [
+            (self.r_perturb, 3),
+            (self.r_data_write, 2),
+            (self.r_frozen_inplace, 1),
+            (self.r_sleep, 3),
+            (self.r_wake, 1),
+            (self.r_sync, 5),
+        ]
+        if self.lora:
+            rules += [(self.r_merge_toggle, 2), (self.r_switch_adapter, 1)]
+        return rules
+
+    # -- the walk --
+    def run(self) -> None:
+        for p in self.phys:
+            p.recover()
+        self.build_model()
+        # Start in step: every weight pushed (nothing skipped), the engine checked.
+        mode = "separate" if self.served else "merge"
+        FullSync(lora=mode, skip_unchanged=False).sync(self.model, self.engine)
+        self.log(
+            f"setup: {self.setup} model, FullSync(lora={mode!r}, skip_unchanged=False) into {self.target}"
+        )
+        self.check_matches()
+        self.syncer = Syncer(
+            self.engine, train_type=self.train_type, rollout_lora=self.served, base_sync_done=True
+        )
+        rules, weights = zip(*self.rules(), strict=True)
+        for step in range(1, self.steps + 1):
+            self.step = step
+            rule = self.rng.choices(rules, weights)[0]
+            rule()
+        # the walk ends with a sync, so the last steps are checked too
+        self.step += 1
+        self.r_sync()
+
+
+#: Walks that found a silent mismatch in weightsync before issue 19's fixes (the seeds 0-11 of
+#: the short profile found more: 2, 3, 4, 5, 8, 9, 11), kept as tests: (seed, steps, what).
+FOUND = [
+    (21, 15, "replicas/full: FullSync skipped layers after a level-2 sleep the caller reported"),
+    (27, 15, "multiproc/full: a level-2 llm.sleep already over when the trainer looked"),
+    (47, 15, "replicas/served: Replicas lost the caller's mark_asleep(2); AdapterSync on junk"),
+    (53, 15, "multiproc/served: a reported level 2 restored the adapter but not the base"),
+]
+
+
+def walk_and_check(world, seed: int, steps: int) -> None:
+    target, setup = WORLDS[seed % len(WORLDS)]
+    walk = Walk(seed, target, setup, world, steps)
+    print(f"\n[fuzz] seed {seed}: {target}/{setup}, {steps} steps", flush=True)
+    try:
+        walk.run()
+        syncs = [h for h in walk.history if "sync:" in h]
+        print(
+            f"[fuzz] seed {seed}: ok, {len(syncs)} syncs "
+            f"({sum('refused' in h for h in syncs)} refused)",
+            flush=True,
+        )
+    finally:
+        for p in walk.phys:
+            with contextlib.suppress(Exception):
+                p.recover()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lifecycle_fuzz(world, seed):
+    walk_and_check(world, seed, STEPS)
+
+
+@pytest.mark.parametrize(("seed", "steps", "what"), FOUND, ids=[str(f[0]) for f in FOUND])
+def test_found_before(world, seed, steps, what):
+    walk_and_check(world, seed, steps)
