@@ -2,9 +2,19 @@
 
 Run ``bash .ci/env python -m benchmarks`` (see docs/benchmarks.md). Modules, in reading order:
 
-- `benchmarks.models`   -- the model shapes, built locally once and cached.
-- `benchmarks.measure`  -- timing and peak-resident-memory sampling.
-- `benchmarks.anchors`  -- the approaches weightsync is compared against (benchmarks only).
-- `benchmarks.suite`    -- the rows, the correctness checks, drift and the memory check.
-- `benchmarks.report`   -- JSON, markdown table, PNG plot, targets.
+- `benchmarks.models`       -- the model shapes, built locally once and cached.
+- `benchmarks.rows`         -- the rows: what each syncs, into which engine, checked against what.
+- `benchmarks.trainers`     -- the trainer models the rows sync from, and what they compute.
+- `benchmarks.inprocess`    -- the in-process vLLM engines.
+- `benchmarks.servers`      -- the ``vllm serve`` processes and the out-of-process rows' engines.
+- `benchmarks.measure`      -- timing and peak-resident-memory sampling.
+- `benchmarks.phases`       -- where one sync's seconds go, from weightsync's timing spans.
+- `benchmarks.anchors`      -- the approaches weightsync is compared against (benchmarks only).
+- `benchmarks.correctness`  -- after each row: does the engine compute what the trainer does?
+- `benchmarks.suite`        -- one run: each row timed, then checked.
+- `benchmarks.profiling`    -- where FullSync's, vLLM's reload's and AdapterSync's seconds go.
+- `benchmarks.drift`        -- the trainer's weights after many merged-LoRA syncs.
+- `benchmarks.memory`       -- FullSync's peak extra memory against its bound, at a second size.
+- `benchmarks.report`       -- JSON, markdown table, PNG plot, targets.
+- `benchmarks.verification` -- checks of weightsync's verification itself (run on its own).
 """

@@ -30,7 +30,7 @@ SECOND_SIZE = {"tiny": "tiny4", "0.5b": "1.5b"}
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     from .models import UNTIED
-    from .suite import ROW_KEYS, ROWS, SERVER_ROWS
+    from .rows import ROW_KEYS, ROWS, SERVER_ROWS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -93,15 +93,21 @@ def run(
     import vllm
     from tqdm import tqdm
 
-    from . import report, suite
+    from weightsync.trainer.tensors import DEFAULT_BUCKET_BYTES
+
+    from . import profiling, report
+    from .drift import drift
+    from .memory import memory_bound, memory_check
     from .models import resolve
+    from .rows import ROWS
+    from .suite import Bench
 
     log = (lambda *a: None) if quiet else (lambda msg: tqdm.write(msg))
     spec = resolve(args.model, log=log)
     untied = None if args.untied_model == "none" else resolve(args.untied_model, log=log)
     out = args.out or Path(__file__).parent / "results" / spec.name
     out.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in suite.ROWS if r.key in args.rows]
+    rows = [r for r in ROWS if r.key in args.rows]
     drift_cycles = args.drift_cycles
     mem_model = None if args.memory_model == "none" else args.memory_model
     total = (
@@ -129,31 +135,35 @@ def run(
             f"{__import__('psutil').virtual_memory().total / 2**30:.0f} GiB RAM, no GPU",
             "torch": torch.__version__,
             "vllm": vllm.__version__,
-            "bucket_bytes": suite.DEFAULT_BUCKET_BYTES,
+            "bucket_bytes": DEFAULT_BUCKET_BYTES,
             "weightsync": _weightsync_version(),
         },
         "rows": [],
     }
 
-    bench = suite.Bench(spec, workdir=out, log=log, untied=untied)
+    bench = Bench(spec, workdir=out, log=log, untied=untied)
     try:
         for i, row in enumerate(rows):
             bar.set_description(row.label[:40])
             result["rows"].append(bench.run_row(row, args.repeats, tick=bar.update))
-            bench.release(rows[i + 1 :])
+            bench.trainers.release(rows[i + 1 :])
     finally:
-        bench.stop_servers()  # the server rows come last; nothing of theirs outlives them
+        bench.servers.stop()  # the server rows come last; nothing of theirs outlives them
     report.add_ratios(result["rows"])
 
     if not args.no_profile and any(r.engine == "plain" for r in rows):
         bar.set_description("profile")
-        result["profile"] = bench.profile()
+        result["profile"] = profiling.full_sync(bench.engine("plain"), bench.trainers.dense)
     if not args.no_profile and any(r.engine == "untied" for r in rows):
         bar.set_description("profile (untied)")
-        result["profile_untied"] = bench.profile("untied")
+        result["profile_untied"] = profiling.full_sync(
+            bench.engine("untied"), bench.trainers.dense_untied
+        )
     if not args.no_profile and any(r.key == "adapter_r16" for r in rows):
         bar.set_description("profile AdapterSync r16")
-        result["profile_adapter"] = bench.profile_adapter()
+        result["profile_adapter"] = profiling.adapter_sync(
+            bench.engine("lora"), bench.trainers.peft
+        )
 
     if drift_cycles:
         # The drift loop reuses the plain engine when it runs on the same bf16 model.
@@ -161,9 +171,9 @@ def run(
         same = (
             args.drift_model == spec.name
             and spec.dtype == torch.bfloat16
-            and "plain" in bench._engines
+            and bench.inprocess.started("plain")
         )
-        result["drift"] = suite.drift(
+        result["drift"] = drift(
             drift_cycles,
             shape=args.drift_model,
             log=log,
@@ -174,7 +184,7 @@ def run(
     merged = next((r for r in result["rows"] if r["key"] == "full_lora_merge"), None)
     memory = []
     if merged:
-        bound = suite.memory_bound(bench.peft, bench.engine("plain"))
+        bound = memory_bound(bench.trainers.peft, bench.engine("plain"))
         memory.append(
             {
                 "model": spec.name,
@@ -188,9 +198,7 @@ def run(
     del bench
     if mem_model:
         bar.set_description(f"memory check on {mem_model}")
-        memory.append(
-            suite.memory_check(mem_model, args.repeats, workdir=out, log=log, tick=bar.update)
-        )
+        memory.append(memory_check(mem_model, args.repeats, log=log, tick=bar.update))
     result["memory"] = memory
 
     bar.close()

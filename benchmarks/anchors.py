@@ -27,6 +27,7 @@ engine calls.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from weightsync.stream import base_tensors
+from weightsync.trainer.tensors import base_tensors
 
 Row = tuple[int, int, None, dict[str, float]]  # bytes sent, engine calls, no report, phases
 
@@ -156,15 +157,8 @@ def vllm_reload(engine, checkpoint: str) -> Row:
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
     engine.llm.reset_prefix_cache()
     itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    sent = sum(itemsize * _numel(s) for s in engine.expected_weights.values())
+    sent = sum(itemsize * math.prod(s) for s in engine.expected_weights.values())
     return sent, 1, None, _phases(start, 0.0)  # all of it in vLLM (disk read included)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class MemcpyFloor:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .suite import FLOOR_ROW, NATIVE_OF, NATIVE_ROW
+from .rows import FLOOR_ROW, NATIVE_OF, NATIVE_ROW
 
 FLOOR_OF = {"main": FLOOR_ROW, "untied": "memcpy_untied"}
 

@@ -1,6 +1,7 @@
-"""``vllm serve`` processes for the out-of-process rows, started once and always stopped.
+"""``vllm serve`` processes for the out-of-process rows, started once and always stopped, and
+the engine each of those rows syncs into.
 
-Each is a `weightsync.testing.VLLMServer` (127.0.0.1, a free port, weightsync's worker
+Each server is a `weightsync.testing.VLLMServer` (127.0.0.1, a free port, weightsync's worker
 extension, dev-mode endpoints, stopped gracefully by PID); `ServerPool.stop` also runs at
 interpreter exit, so an interrupted benchmark does not leave servers behind. The servers also run
 weightsync's weight-transfer backend, so the same server serves the tmpfs, gloo and
@@ -11,22 +12,28 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from weightsync.engines import Replicas, TmpfsTransport, VLLMServerEngine, WeightTransferTransport
 from weightsync.testing import VLLMServer
 
 from .models import ModelSpec
+from .rows import SERVER_ROWS
 
 
 class ServerPool:
     """Servers of ``spec``, one per entry of ``binds`` (its ``VLLM_CPU_OMP_THREADS_BIND``: the
-    cores its worker computes on), started together and waited for (start-up is the slow part:
-    ~40 s of both cores each).
+    cores its worker computes on), started together and waited for (start-up is the slow part and
+    keeps every core busy; its time: docs/benchmarks.md).
 
     Why the binding is explicit: vLLM-CPU's default binds a server's worker to the first core
     and reserves the rest, so a lone server would compute on one core while the in-process
-    engine it is compared with uses every core (measured at 0.5B: 1.9 s vs 1.5 s per FullSync),
-    and two servers would both sit on core 0.
+    engine it is compared with uses every core (measured at 0.5B, a slower FullSync for that
+    alone: docs/benchmarks.md), and two servers would both sit on core 0.
     """
 
     def __init__(self, spec: ModelSpec, binds: list[str], *, logdir: Path) -> None:
@@ -64,3 +71,73 @@ class ServerPool:
             s.terminate()
         for s in self.servers:
             s.join()
+
+
+class ServerEngines:
+    """The engine of each out-of-process row (`benchmarks.rows.SERVER_ROWS`), made at its first
+    use, on servers started for it.
+
+    The single-server rows get a server on every core, like the in-process engine they are
+    compared with; the fan-out rows get two servers on one core each, as replicas on their own
+    hardware would be. One pool at a time (rows run in this order): starting the pair stops the
+    single server and closes its rows' engines. A failed start fails every later server row.
+    """
+
+    def __init__(
+        self, spec: ModelSpec, *, logdir: Path, log: Callable[[str], None] = print
+    ) -> None:
+        self.spec = spec
+        self.logdir = logdir
+        self.log = log
+        self._engines: dict[str, Any] = {}
+        self._pools: dict[str, ServerPool] = {}
+        self._error: str | None = None
+
+    def engine(self, which: str) -> Any:
+        if which not in self._engines:
+            self._engines[which] = self._make(which)
+        return self._engines[which]
+
+    def _make(self, which: str) -> Any:
+        cores = os.cpu_count() or 1
+        pool = "pair" if which.startswith("replicas") else "single"
+        binds = [str(i % cores) for i in range(2)] if pool == "pair" else [f"0-{cores - 1}"]
+        if self._error is not None:
+            raise RuntimeError(f"the vllm serve processes did not start: {self._error}")
+        if pool not in self._pools:
+            self.stop()
+            self.log(f"[bench] starting {len(binds)} vllm serve on cores {binds}: {self.spec.name}")
+            t = time.perf_counter()
+            try:
+                self._pools[pool] = ServerPool(self.spec, binds, logdir=self.logdir)
+            except Exception as e:
+                self._error = f"{type(e).__name__}: {e}"
+                raise
+            self.log(f"[bench] servers ready in {time.perf_counter() - t:.1f} s")
+        urls = self._pools[pool].urls
+        if which == "server_tmpfs":
+            return VLLMServerEngine(urls[0], transport="tmpfs")
+        if which == "server_tmpfs_fresh":
+            return VLLMServerEngine(urls[0], transport=TmpfsTransport(keep=False))
+        if which == "server_gloo":
+            return VLLMServerEngine(urls[0], transport="gloo")
+        if which == "server_wt_files":
+            from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+            client = HTTPVLLMWeightSyncClient(urls[0])
+            return VLLMServerEngine(urls[0], transport=WeightTransferTransport(client, "files"))
+        first = self._engines.get("replicas_1")
+        first = first.engines[0] if first else VLLMServerEngine(urls[0], transport="tmpfs")
+        if which == "replicas_1":
+            return Replicas([first])
+        return Replicas([first, VLLMServerEngine(urls[1], transport="tmpfs")])
+
+    def stop(self) -> None:
+        """Close the engines (their /dev/shm folders, gloo groups), stop the servers."""
+        for key in SERVER_ROWS:
+            eng = self._engines.pop(key, None)
+            for each in getattr(eng, "engines", [eng] if eng else []):
+                each.close()  # idempotent: the replicas rows share their first engine
+        for pool in self._pools.values():
+            pool.stop()
+        self._pools.clear()

@@ -2,9 +2,9 @@
 
 ``bash .ci/env python -m benchmarks.verification`` (tiny tied Qwen2, 5 seeds, engine dtypes
 float32, bfloat16, float16, trainer float32 and bfloat16). ``--model 0.5b`` runs the same cases
-on the benchmark's 0.5B shape (slow: a few minutes a seed). For each seed the trainer takes one
-"training step" (``testing.perturb``, scale 0.2 x the init range: 0.02 on the tiny model) and
-the engine is brought to one of these states:
+on the benchmark's 0.5B shape (slow; its time per seed: docs/benchmarks.md). For each seed the
+trainer takes one "training step" (``testing.perturb``, scale 0.2 x the init range: 0.02 on the
+tiny model) and the engine is brought to one of these states:
 
 - ``correct``: FullSync.
 - ``stale_head``: every weight pushed once under its ``named_parameters`` name -- what TRL and

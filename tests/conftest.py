@@ -12,13 +12,26 @@ Two states outlive a failed test on a shared (module-scoped) in-process ``vllm.L
 
 ``tests/test_reliability.py::test_a_failure_while_asleep_stays_one_failure`` runs failing tests
 in a nested pytest session against a real engine to prove this.
+
+Below that, what several test modules share (``from conftest import ...``, as pytest puts this
+folder on ``sys.path``): the trainer-side models, the LoRA set-up the servers are started for,
+the sync-and-check step, weight streams that fail part-way, and the engine fixtures a module
+makes on its own ``checkpoint`` fixture. What one module alone uses stays in that module.
 """
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from weightsync.engines import Engine
+import pytest
+import torch
+
+from weightsync import Syncer
+from weightsync import testing as T
+from weightsync.engines import Engine, VLLMEngine
 
 pytest_plugins = ["pytester"]
 
@@ -45,3 +58,171 @@ def _recover_engines(request):
     for value in list(request.node.funcargs.values()):
         if isinstance(value, Engine):
             recover(value)
+
+
+# --- shared by several test modules -----------------------------------------------------------
+
+#: Engine and trainer agree when greedy tokens are equal and float32 logprobs within this.
+ATOL = 1e-3
+#: The LoRA set-up most modules train (attention and MLP, not every projection).
+LORA = {
+    "r": 8,
+    "lora_alpha": 16,
+    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+}
+#: ``vllm serve`` arguments for a server that serves one LoRA adapter at a time.
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+
+
+def full_model(arch: str, seed: int) -> torch.nn.Module:
+    """The tiny ``arch`` model the checkpoints hold, trained: every weight perturbed."""
+    model = T.tiny_model(arch)
+    T.perturb(model, seed=seed)
+    return model
+
+
+def lora_model(arch: str, seed: int, config: Mapping[str, Any] = LORA, **cfg: Any) -> Any:
+    """The checkpoints' base with a trained (perturbed) LoRA adapter: ``config`` (the module's
+    own LoRA set-up; ``LORA`` by default), updated with ``cfg``."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**config, **cfg}))
+    T.perturb(model, seed=seed, scale=0.3)
+    return model
+
+
+def moe_model(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
+    """A tiny MoE in the shape of ``T.TINY`` (4 experts, 2 a token): Qwen3-MoE or Mixtral, whose
+    checkpoints name experts differently (``mlp.experts.0.gate_proj``, ``experts.0.w1``)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    common = {**T.TINY, "num_experts_per_tok": 2, "head_dim": 32}
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=64, **common)
+    elif family == "mixtral":
+        cfg = MixtralConfig(num_local_experts=4, **common)
+    else:
+        raise ValueError(f"family must be 'qwen3_moe' or 'mixtral', got {family!r}")
+    return AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def differs(model, engine) -> bool:
+    """The engine does not (yet) serve ``model``: otherwise a test would prove nothing."""
+    stale = T.compare(model, engine)
+    return stale["engine"] != stale["trainer"]
+
+
+def sync_and_check(sync, model, engine):
+    """Check ``engine`` differs from the trainer, sync ``model`` with ``sync`` (a strategy, or a
+    ``Syncer`` driving ``engine``), then check the engine serves exactly ``model``; returns the
+    sync's report."""
+    assert differs(model, engine), "the engine already matched the trainer: the test proves nothing"
+    report = sync.sync(model) if isinstance(sync, Syncer) else sync.sync(model, engine)
+    T.assert_matches(model, engine, atol=ATOL)
+    return report
+
+
+def discard(engine, *, seed: int = 1234) -> None:
+    """What a level-2 sleep does to the weights on a GPU, which vLLM's CPU sleep does not do:
+    overwrite every weight with random values, behind weightsync's bookkeeping (not a sync)."""
+    gen = torch.Generator().manual_seed(seed)
+    engine.load_weights(
+        [
+            [
+                (name, torch.randn(shape, generator=gen))
+                for name, shape in engine.expected_weights.items()
+            ]
+        ]
+    )
+
+
+def enter_sleep(engine, level: int) -> None:
+    """Sleep the server at ``level`` through its ``/sleep`` and wake it; after level 2 its
+    weights are garbage."""
+    if level == 0:
+        return
+    engine.sleep(level)
+    assert engine.control.is_sleeping()
+    engine.wake_up()
+    assert engine.sleep_level >= level and engine.base_discarded == (level == 2)
+    if level == 2:
+        discard(engine)
+
+
+def walk(
+    syncer: Syncer,
+    model,
+    engine,
+    levels: Sequence[int],
+    *,
+    train: Callable[[int], None] | None = None,
+) -> list[str]:
+    """A framework's loop against a server: per step, train (``train(step)``), sleep at the
+    step's level and wake, then ``syncer.sync``; returns the strategy each step ran."""
+    chosen = []
+    for step, level in enumerate(levels):
+        if train is not None:
+            train(step)
+        enter_sleep(engine, level)
+        report = sync_and_check(syncer, model, engine)
+        chosen.append(report.strategy)
+        assert syncer.base_sync_done and not engine.base_discarded
+    return chosen
+
+
+def one_per_bucket(model, engine) -> list[list[tuple[str, torch.Tensor]]]:
+    """The model's weights in checkpoint (module) order, one tensor a bucket."""
+    state = model.state_dict()
+    return [[(name, state[name].detach())] for name in state if name in engine.expected_weights]
+
+
+def bad_stream(model, engine, kind: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's buckets, failing part-way through layer 0: the trainer raises
+    (``kind="trainer"``), or a tensor the engine cannot load (a name its model lacks) reaches
+    the workers mid-reload."""
+    stream = one_per_bucket(model, engine)
+    yield from stream[:6]
+    if kind == "trainer":
+        raise RuntimeError("injected: the trainer failed producing the next bucket")
+    yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
+
+
+def folders_left(engines) -> list[Path]:
+    """The scratch folders closed engines left behind: each adapter folder, the transport's
+    folder, and the folder a server's workers wrote an adapter to (over gloo, the server's)."""
+    return [
+        p
+        for e in engines
+        for p in (
+            e._adapter_root,
+            getattr(e.transport, "root", None),
+            e.adapter_path and Path(e.adapter_path).parent,
+        )
+        if p and p.exists()
+    ]
+
+
+@contextlib.contextmanager
+def closed_leaving_nothing(engines: Mapping[Any, Any] | list[Any]) -> Iterator[None]:
+    """Close every engine of ``engines`` at the end (also those added to it meanwhile), even
+    after a failure; then, on a normal exit, fail if any left a folder behind."""
+    try:
+        yield
+    finally:
+        for e in list(engines.values() if isinstance(engines, Mapping) else engines):
+            e.close()
+    left = folders_left(engines.values() if isinstance(engines, Mapping) else engines)
+    assert not left, f"tmpfs folders left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def lora_engine(checkpoint):
+    """An in-process engine on the module's ``checkpoint``, serving LoRA up to rank 16."""
+    return VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16))
+
+
+@pytest.fixture(scope="module")
+def plain_engine(checkpoint):
+    """An in-process engine on the module's ``checkpoint``, without LoRA (adapters are merged)."""
+    return VLLMEngine(T.make_llm(checkpoint))

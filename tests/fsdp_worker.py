@@ -29,7 +29,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from weightsync import FullSync, ReloadWeights, Syncer, distributed, errors, testing
 from weightsync.engines.base import adapt
-from weightsync.stream import inner_model
+from weightsync.trainer.tensors import inner_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

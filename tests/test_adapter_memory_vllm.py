@@ -12,16 +12,16 @@ import os
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from conftest import ATOL, differs, lora_model
 
-from weightsync import AdapterSync, FullSync, stream
+from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
-from weightsync.engines.vllm.lora import MEMORY_ROOT, install_adapter
+from weightsync.engines.vllm.in_engine.lora import MEMORY_ROOT, install_adapter
+from weightsync.trainer import tensors
 
-ATOL = 1e-3
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA = {"r": 8, "lora_alpha": 16, "target_modules": MODULES}
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": MODULES}  # this module's: every projection
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,6 @@ def _memory_path_by_default(engines):
         engine.adapter_from_memory = True
 
 
-def lora_model(arch: str, seed: int, **cfg):
-    model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**LORA, **cfg}))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
-
-
 def outputs(engine):
     return engine.greedy_batch(T.PROMPTS, 8)
 
@@ -63,14 +57,13 @@ def adapter_sync(model, engine, *, memory: bool):
 
 
 def assert_differs(model, engine):
-    stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], "engine already serves the update: test is void"
+    assert differs(model, engine), "engine already serves the update: test is void"
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_memory_and_folder_paths_serve_identical_outputs(engines, arch):
     engine = engines[arch]
-    model = lora_model(arch, seed=1)
+    model = lora_model(arch, seed=1, config=LORA)
     FullSync(lora="separate").sync(model, engine)
     T.assert_matches(model, engine, atol=ATOL)
     seen = []
@@ -89,7 +82,7 @@ def test_memory_and_folder_paths_serve_identical_outputs(engines, arch):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_repeated_memory_loads_under_one_id_take_effect(engines, arch):
     engine = engines[arch]
-    model = lora_model(arch, seed=10)
+    model = lora_model(arch, seed=10, config=LORA)
     FullSync(lora="separate").sync(model, engine)
     lora_id = engine.lora_request.lora_int_id
     for seed in (11, 12, 13):
@@ -112,7 +105,7 @@ def test_repeated_memory_loads_under_one_id_take_effect(engines, arch):
 )
 def test_scaling_options_match_trainer_and_folder(engines, cfg):
     engine = engines["llama"]
-    model = lora_model("llama", seed=20, **cfg)
+    model = lora_model("llama", seed=20, config=LORA, **cfg)
     FullSync(lora="separate").sync(model, engine)
     T.perturb(model, seed=21, scale=0.3)
     assert_differs(model, engine)
@@ -126,11 +119,11 @@ def test_scaling_options_match_trainer_and_folder(engines, cfg):
 def test_trainer_tensors_are_not_touched(engines):
     # vLLM scales lora_b in place when it installs an adapter: the engine must hold a copy.
     engine = engines["llama"]
-    model = lora_model("llama", seed=30)
+    model = lora_model("llama", seed=30, config=LORA)
     FullSync(lora="separate").sync(model, engine)
-    before = {k: v.clone() for k, v in stream.adapter(model).tensors.items()}
+    before = {k: v.clone() for k, v in tensors.adapter(model).tensors.items()}
     adapter_sync(model, engine, memory=True)
-    after = stream.adapter(model).tensors
+    after = tensors.adapter(model).tensors
     assert all(torch.equal(before[k], after[k]) for k in before)
     # and a later trainer step does not leak into what the engine serves until the next sync
     served = outputs(engine)
@@ -143,7 +136,7 @@ def test_request_held_across_a_base_write_fails_loudly(engines):
     from vllm.inputs import TokensPrompt
 
     engine = engines["llama"]
-    model = lora_model("llama", seed=40)
+    model = lora_model("llama", seed=40, config=LORA)
     FullSync(lora="separate").sync(model, engine)
     assert engine.lora_request.lora_path.startswith(MEMORY_ROOT)
     held = engine.lora_request
@@ -169,9 +162,9 @@ def test_request_held_across_a_base_write_fails_loudly(engines):
 
 def test_a_rejected_adapter_leaves_the_served_one(engines):
     engine = engines["llama"]
-    model = lora_model("llama", seed=50)
+    model = lora_model("llama", seed=50, config=LORA)
     FullSync(lora="separate").sync(model, engine)
-    good = stream.adapter(model)
+    good = tensors.adapter(model)
     bad = dict(good.tensors)
     bad["base_model.model.model.layers.0.mlp.no_such_proj.lora_A.weight"] = torch.zeros(8, 128)
     with pytest.raises(ValueError, match="no_such_proj"):

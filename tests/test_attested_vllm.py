@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ATOL
 from peft import LoraConfig, get_peft_model
 
 from weightsync import FullSync, Syncer, policy
 from weightsync import testing as T
 from weightsync.engines import Replicas, VLLMEngine
 from weightsync.errors import EngineChangedError
-from weightsync.strategies.base import execute
+from weightsync.execute import execute
 
-ATOL = 1e-3
 EMBED = ("model.embed_tokens",)
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
 

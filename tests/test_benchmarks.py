@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("matplotlib")
 
 from benchmarks.__main__ import parse, run
-from benchmarks.suite import ROW_KEYS, SERVER_ROWS
+from benchmarks.rows import ROW_KEYS, SERVER_ROWS
 from weightsync.verify import TOLERANCE
 
 

@@ -5,13 +5,13 @@ are counted where vLLM consumes them, not from weightsync's report."""
 from __future__ import annotations
 
 import pytest
+from conftest import ATOL
 from peft import LoraConfig, get_peft_model
 
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
-
-ATOL = 1e-3
+from weightsync.engines.vllm.in_engine import model_ops
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,8 @@ def engines(tmp_path_factory):
 
 
 class Received:
-    """The names and bytes vLLM's reload_weights consumed, recorded inside its iterator."""
+    """The names and bytes vLLM's reload_weights consumed, recorded inside its iterator (the
+    in-process engine hands it to its workers as ``collective_rpc(model_ops.reload, ...)``)."""
 
     def __init__(self, engine):
         self.names: list[str] = []
@@ -33,8 +34,8 @@ class Received:
 
     def __enter__(self):
         def rpc(method, *args, kwargs=None, **rest):
-            if method == "reload_weights" and kwargs and "weights_iterator" in kwargs:
-                kwargs = {**kwargs, "weights_iterator": self._count(kwargs["weights_iterator"])}
+            if method is model_ops.reload and kwargs and kwargs.get("weights") is not None:
+                kwargs = {**kwargs, "weights": self._count(kwargs["weights"])}
             return self._rpc(method, *args, kwargs=kwargs, **rest)
 
         self._llm.collective_rpc = rpc
@@ -130,7 +131,7 @@ def test_failed_sync_sends_everything_next(engines):
         return rpc(
             method,
             *args,
-            kwargs={**kwargs, "weights_iterator": cut(kwargs["weights_iterator"])},
+            kwargs={**kwargs, "weights": cut(kwargs["weights"])},
             **rest,
         )
 

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from conftest import ATOL, full_model, lora_model, sync_and_check
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer, policy
 from weightsync import testing as T
-from weightsync.engines import VLLMEngine
 
 ARCHS = ["qwen2", "llama"]
-ATOL = 1e-3
-LORA = dict(
-    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
-)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -35,25 +30,10 @@ def checkpoint(arch, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoint):
-    """The same checkpoint served twice: without LoRA, and serving LoRA adapters."""
-    return {
-        False: VLLMEngine(T.make_llm(checkpoint)),
-        True: VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16)),
-    }
-
-
-def lora_model(arch, seed, **cfg):
-    """The checkpoint's base with a trained (perturbed) LoRA adapter."""
-    model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**LORA, **cfg}))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
-
-
-def full_model(arch, seed):
-    model = T.tiny_model(arch)
-    T.perturb(model, seed=seed)
-    return model
+def engines(plain_engine, lora_engine):
+    """The same checkpoint served twice (conftest's engines on it): without LoRA, and serving
+    LoRA adapters."""
+    return {False: plain_engine, True: lora_engine}
 
 
 def enter_sleep(engine, level):
@@ -66,14 +46,11 @@ def enter_sleep(engine, level):
     engine.wake_up()
 
 
-def sync_and_check(strategy, model, engine):
+def sync_and_audit(strategy, model, engine):
+    """``sync_and_check``, then the trainer's weights must be bit-identical to before the sync
+    and the report filled in."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], (
-        "the engine already matched the trainer before the sync: the test proves nothing"
-    )
-    report = strategy.sync(model, engine)
-    T.assert_matches(model, engine, atol=ATOL)
+    report = sync_and_check(strategy, model, engine)
     after = model.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert not changed, f"sync modified the trainer's weights: {changed[:5]}"
@@ -102,7 +79,7 @@ def test_full_training(arch, engines, rollout_lora, level):
         sleep_level=engine.sleep_level,
     )
     assert type(s) is FullSync
-    sync_and_check(s, model, engine)
+    sync_and_audit(s, model, engine)
 
 
 @pytest.mark.parametrize("base_sync_done", [False, True])
@@ -118,7 +95,7 @@ def test_lora_merged(arch, engines, base_sync_done, level):
         sleep_level=engine.sleep_level,
     )
     assert type(s) is FullSync and s.lora == "merge"
-    sync_and_check(s, model, engine)
+    sync_and_audit(s, model, engine)
     assert engine.lora_request is None
 
 
@@ -132,7 +109,7 @@ def test_lora_served_first_sync(arch, engines, level):
         train_type="lora", rollout_lora=True, base_sync_done=False, sleep_level=engine.sleep_level
     )
     assert type(s) is FullSync and s.lora == "separate"
-    report = sync_and_check(s, model, engine)
+    report = sync_and_audit(s, model, engine)
     assert report.engine_calls == 2  # base, then adapter: never merged *and* applied
     assert engine.lora_request is not None
 
@@ -146,7 +123,7 @@ def test_lora_served_after_level2(arch, engines):
         train_type="lora", rollout_lora=True, base_sync_done=True, sleep_level=engine.sleep_level
     )
     assert engine.sleep_level == 2 and type(s) is FullSync and s.lora == "separate"
-    sync_and_check(s, model, engine)
+    sync_and_audit(s, model, engine)
 
 
 @pytest.mark.parametrize("level", [0, 1])
@@ -165,7 +142,7 @@ def test_lora_served_adapter_only_follows_every_update(arch, engines, level):
             sleep_level=engine.sleep_level,
         )
         assert type(s) is AdapterSync
-        report = sync_and_check(s, model, engine)
+        report = sync_and_audit(s, model, engine)
         assert report.engine_calls == 1 and report.buckets == 0
         tokens = T.compare(model, engine)["engine"]
         assert tokens != previous, "the engine did not follow the adapter update"
@@ -186,7 +163,7 @@ def test_prefer_reload_restores_base_from_checkpoint(arch, engines, base_sync_do
         prefer_reload=True,
     )
     assert type(s) is ReloadWeights
-    sync_and_check(s, model, engine)
+    sync_and_audit(s, model, engine)
 
 
 @pytest.mark.parametrize("rollout_lora", [False, True])
@@ -194,7 +171,7 @@ def test_reload_from_snapshot(arch, engines, rollout_lora, tmp_path):
     engine = engines[rollout_lora]
     model = lora_model(arch, seed=70 + rollout_lora)
     enter_sleep(engine, 2)
-    sync_and_check(ReloadWeights(snapshot_dir=tmp_path / "snap"), model, engine)
+    sync_and_audit(ReloadWeights(snapshot_dir=tmp_path / "snap"), model, engine)
 
 
 def test_syncer_tracks_base_sync_done(arch, engines):

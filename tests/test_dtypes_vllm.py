@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from conftest import differs
 from peft import LoraConfig, get_peft_model
 
 from weightsync import AdapterSync, FullSync
@@ -41,12 +42,6 @@ def engine(tmp_path_factory):
         T.tiny_model("qwen2", dtype=torch.bfloat16), tmp_path_factory.mktemp("bf16") / "ck"
     )
     return RecordingEngine(T.make_llm(ck, dtype="bfloat16", enable_lora=True))
-
-
-def differs(model, engine):
-    """Greedy tokens differ: the sync that follows has something to do."""
-    stale = T.compare(model, engine)
-    return stale["engine"] != stale["trainer"]
 
 
 @pytest.mark.parametrize("trainer_dtype", [torch.float32, torch.bfloat16])

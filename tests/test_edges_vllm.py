@@ -17,6 +17,7 @@ started after the first was killed), one multiprocess ``LLM``; every process is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,8 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, distributed
 from weightsync import testing as T
-from weightsync.engines import VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
-from weightsync.engines.vllm.inprocess import greedy_generate
+from weightsync.engines import TmpfsTransport, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
+from weightsync.engines.vllm.control import greedy_generate
 from weightsync.errors import (
     AdapterError,
     EngineBrokenError,
@@ -237,10 +238,16 @@ def test_engine_broken_error_survives_distributed_sync(inv_freq_engine, group):
 
 
 def kill(server: T.VLLMServer) -> None:
-    """SIGKILL the server's processes by PID (psutil handles: never a reused PID)."""
-    procs = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
+    """SIGKILL the server's processes by PID (psutil handles: never a reused PID); a server
+    already killed stays so."""
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root, *root.children(True)]
+    except psutil.NoSuchProcess:
+        return
     for p in procs:
-        p.send_signal(signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
     psutil.wait_procs(procs, timeout=30)
 
 
@@ -268,6 +275,47 @@ def test_a_dummy_server_is_filled_by_the_first_sync(dummy_server):
             ReloadWeights().sync(model, engine)
         T.assert_matches(model, engine)
     finally:
+        engine.close()
+
+
+#: A trainer that syncs into kept tmpfs files (no engine: the RPC answers nothing), says where
+#: they are, and waits to be killed.
+KEPT_FILES_TRAINER = """
+import sys, time, torch
+from weightsync.engines import TmpfsTransport
+transport = TmpfsTransport()
+transport.send(lambda method, kwargs: [], [[("w", torch.ones(1 << 16))]])
+print(transport.root, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_crash_leaves_no_scratch_folder_behind(dummy_server):
+    """Kill a trainer holding kept bucket files and a server holding the adapter folder its
+    worker wrote; the next weightsync start (any scratch folder made) sweeps both."""
+    import subprocess
+    import sys
+
+    engine = VLLMServerEngine(dummy_server.url, transport="gloo")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", KEPT_FILES_TRAINER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        FullSync(lora="separate").sync(lora_model(seed=24), engine)
+        assert engine.adapter_path is not None
+        adapters = Path(engine.adapter_path).parent  # the worker's scratch folder, its host's
+        assert adapters.name.startswith("weightsync-") and adapters.is_dir()
+        assert trainer.stdout is not None
+        kept = Path(trainer.stdout.readline().strip())
+        assert (kept / "kept" / "bucket-00000.safetensors").is_file()
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        kill(dummy_server)
+        assert adapters.is_dir() and kept.is_dir()  # nobody removed them: both processes died
+        TmpfsTransport().close()  # the next weightsync start
+        assert not adapters.exists() and not kept.exists()
+    finally:
+        trainer.kill()
         engine.close()
 
 

@@ -11,9 +11,10 @@ import sys
 import pytest
 from safetensors.torch import save_file
 
-from weightsync.engines import scratch
-from weightsync.engines.vllm import checkpoint
+from weightsync.engines.vllm.in_engine import checkpoint
 from weightsync.testing import save_checkpoint, tiny_model
+from weightsync.wire import format as fmt
+from weightsync.wire import scratch
 
 
 def test_weight_files_follow_the_safetensors_index(tmp_path):
@@ -24,7 +25,7 @@ def test_weight_files_follow_the_safetensors_index(tmp_path):
     (tmp_path / "ck" / "model.safetensors").rename(
         tmp_path / "ck" / "model-00001-of-00001.safetensors"
     )
-    names = list(checkpoint.shapes([str(tmp_path / "ck" / "model-00001-of-00001.safetensors")]))
+    names = list(fmt.shapes([str(tmp_path / "ck" / "model-00001-of-00001.safetensors")]))
     index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}
     (tmp_path / "ck" / "model.safetensors.index.json").write_text(json.dumps(index))
     import torch
@@ -32,7 +33,7 @@ def test_weight_files_follow_the_safetensors_index(tmp_path):
     save_file({"stale.weight": torch.zeros(2)}, str(tmp_path / "ck" / "model-old.safetensors"))
     files = checkpoint.weight_files(folder, LoadConfig())
     assert [os.path.basename(f) for f in files] == ["model-00001-of-00001.safetensors"]
-    assert "stale.weight" not in checkpoint.shapes(files)
+    assert "stale.weight" not in fmt.shapes(files)
 
 
 def test_an_id_never_downloaded_is_a_clear_error(tmp_path, monkeypatch):

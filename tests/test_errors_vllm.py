@@ -4,43 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from conftest import lora_model
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
-from weightsync.engines import VLLMEngine
 from weightsync.errors import AdapterError, UnsupportedModelError, WeightMismatchError
 
 ARCH = "llama"
+LORA = {"r": 8, "target_modules": ["q_proj", "v_proj"]}  # this module's (conftest's is larger)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    """What conftest's ``lora_engine`` and ``plain_engine`` serve."""
     return T.save_checkpoint(T.tiny_model(ARCH), tmp_path_factory.mktemp("err") / "ck")
-
-
-@pytest.fixture(scope="module")
-def lora_engine(checkpoint):
-    return VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16))
-
-
-@pytest.fixture(scope="module")
-def plain_engine(checkpoint):
-    return VLLMEngine(T.make_llm(checkpoint))
-
-
-def lora_model(seed, **cfg):
-    model = get_peft_model(
-        T.tiny_model(ARCH), LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **cfg})
-    )
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
 
 
 @pytest.fixture
 def served(lora_engine):
     """The LoRA engine serving a known adapter; tests check it still does after their error."""
-    model = lora_model(seed=1)
+    model = lora_model(ARCH, seed=1, config=LORA)
     FullSync(lora="separate").sync(model, lora_engine)
     T.assert_matches(model, lora_engine)
     return model
@@ -83,14 +66,14 @@ def test_shape_mismatch_names_both_shapes(served, lora_engine):
 
 @pytest.mark.parametrize("strategy", [AdapterSync(), FullSync(lora="separate"), ReloadWeights()])
 def test_adapter_rank_above_engine_limit(served, lora_engine, strategy):
-    model = lora_model(seed=2, r=32)
+    model = lora_model(ARCH, seed=2, config=LORA, r=32)
     with pytest.raises(AdapterError, match=r"rank 32, above this engine's max_lora_rank=16"):
         strategy.sync(model, lora_engine)
     still_serving(served, lora_engine)
 
 
 def test_rank_pattern_counts(served, lora_engine):
-    model = lora_model(seed=3, r=8, rank_pattern={"v_proj": 24})
+    model = lora_model(ARCH, seed=3, config=LORA, r=8, rank_pattern={"v_proj": 24})
     with pytest.raises(AdapterError, match="rank 24"):
         AdapterSync().sync(model, lora_engine)
     still_serving(served, lora_engine)
@@ -115,9 +98,9 @@ def test_separate_adapter_into_engine_without_lora(plain_engine):
     T.perturb(base, seed=5)
     FullSync().sync(base, plain_engine)
     with pytest.raises(AdapterError, match="enable_lora"):
-        FullSync(lora="separate").sync(lora_model(seed=6), plain_engine)
+        FullSync(lora="separate").sync(lora_model(ARCH, seed=6, config=LORA), plain_engine)
     with pytest.raises(AdapterError, match="enable_lora"):
-        AdapterSync().sync(lora_model(seed=6), plain_engine)
+        AdapterSync().sync(lora_model(ARCH, seed=6, config=LORA), plain_engine)
     still_serving(base, plain_engine)
 
 

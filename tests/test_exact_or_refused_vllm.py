@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import ATOL, lora_model, sync_and_check
 from peft import IA3Config, LoraConfig, get_peft_model
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
@@ -19,23 +20,14 @@ from weightsync import testing as T
 from weightsync.engines import VLLMEngine
 from weightsync.errors import AdapterError, UnsupportedModelError
 
-ATOL = 1e-3
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": TARGETS}  # this module's, not conftest's
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    """What conftest's ``lora_engine`` and ``plain_engine`` serve."""
     return T.save_checkpoint(T.tiny_model("llama"), tmp_path_factory.mktemp("promise") / "ck")
-
-
-@pytest.fixture(scope="module")
-def lora_engine(checkpoint):
-    return VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16))
-
-
-@pytest.fixture(scope="module")
-def plain_engine(checkpoint):
-    return VLLMEngine(T.make_llm(checkpoint))
 
 
 @pytest.fixture(autouse=True)
@@ -47,22 +39,6 @@ def _awake(request):
             engine = request.getfixturevalue(name)
             if engine.asleep:
                 engine.llm.wake_up()
-
-
-def peft_model(seed: int = 0, **cfg) -> object:
-    model = get_peft_model(
-        T.tiny_model("llama"),
-        LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": TARGETS, **cfg}),
-    )
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
-
-
-def sync_exactly(strategy, model, engine) -> None:
-    stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], "engine already matched: the test proves nothing"
-    strategy.sync(model, engine)
-    T.assert_matches(model, engine, atol=ATOL)
 
 
 def refused(strategy, model, engine, error, match) -> None:
@@ -81,7 +57,7 @@ def refused(strategy, model, engine, error, match) -> None:
 def test_framework_sleeps_vllm_directly_and_syncer_restores_the_base(lora_engine):
     """TRL sleeps the LLM itself, already before weightsync sees it; the level is never told."""
     llm = lora_engine.llm
-    model = peft_model(seed=1)
+    model = lora_model("llama", seed=1, config=LORA)
     syncer = Syncer(lora_engine, train_type="lora")
     assert syncer.sync(model).strategy == "FullSync(lora=separate)"
     T.assert_matches(model, lora_engine, atol=ATOL)
@@ -105,7 +81,9 @@ def test_sleep_before_the_adapter_existed_counts_as_level_2(checkpoint):
     assert engine.sleep_level == 2 and engine.base_discarded
     syncer = Syncer(engine, train_type="lora", base_sync_done=True)
     assert syncer.choose().label == "FullSync(lora=separate)"
-    refused(AdapterSync(), peft_model(seed=2), engine, Exception, "level-2 sleep")
+    refused(
+        AdapterSync(), lora_model("llama", seed=2, config=LORA), engine, Exception, "level-2 sleep"
+    )
 
 
 # --- options served exactly ---------------------------------------------------------------------
@@ -113,30 +91,35 @@ def test_sleep_before_the_adapter_existed_counts_as_level_2(checkpoint):
 
 def test_scale_options_served_exactly(lora_engine, plain_engine):
     """rsLoRA, rank_pattern and alpha_pattern: vLLM computes the scale from the config we write."""
-    model = peft_model(
-        seed=19, use_rslora=True, rank_pattern={"v_proj": 4}, alpha_pattern={"o_proj": 32}
+    model = lora_model(
+        "llama",
+        seed=19,
+        config=LORA,
+        use_rslora=True,
+        rank_pattern={"v_proj": 4},
+        alpha_pattern={"o_proj": 32},
     )
-    sync_exactly(FullSync(lora="separate"), model, lora_engine)
+    sync_and_check(FullSync(lora="separate"), model, lora_engine)
     T.perturb(model, seed=20, scale=0.3)
-    sync_exactly(AdapterSync(), model, lora_engine)
-    sync_exactly(FullSync(lora="merge"), model, plain_engine)
+    sync_and_check(AdapterSync(), model, lora_engine)
+    sync_and_check(FullSync(lora="merge"), model, plain_engine)
 
 
 # --- adapters merged in place by the caller -------------------------------------------------
 
 
 def test_adapter_merged_in_place_merged_sync_is_exact(plain_engine):
-    model = peft_model(seed=3)
+    model = lora_model("llama", seed=3, config=LORA)
     model.merge_adapter()  # as TRL does around its own sync
-    sync_exactly(FullSync(lora="merge"), model, plain_engine)
+    sync_and_check(FullSync(lora="merge"), model, plain_engine)
     model.unmerge_adapter()
     T.perturb(model, seed=4, scale=0.3)
-    sync_exactly(FullSync(lora="merge"), model, plain_engine)
+    sync_and_check(FullSync(lora="merge"), model, plain_engine)
 
 
 def test_adapter_merged_in_place_is_refused_when_served(lora_engine):
-    FullSync(lora="separate").sync(peft_model(seed=5), lora_engine)
-    model = peft_model(seed=6)
+    FullSync(lora="separate").sync(lora_model("llama", seed=5, config=LORA), lora_engine)
+    model = lora_model("llama", seed=6, config=LORA)
     model.merge_adapter()
     for strategy in (FullSync(lora="separate"), AdapterSync()):
         refused(strategy, model, lora_engine, UnsupportedModelError, "unmerge_adapter")
@@ -147,14 +130,14 @@ def test_adapter_merged_in_place_is_refused_when_served(lora_engine):
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_base_rewriting_init_through_all_three_lora_paths(init, lora_engine, plain_engine):
-    model = peft_model(seed=7, init_lora_weights=init)
+    model = lora_model("llama", seed=7, config=LORA, init_lora_weights=init)
     # merged into an engine without LoRA
-    sync_exactly(FullSync(lora="merge"), model, plain_engine)
+    sync_and_check(FullSync(lora="merge"), model, plain_engine)
     # base + adapter: the rewritten base is sent, the adapter config says init=True for vLLM
-    sync_exactly(FullSync(lora="separate"), model, lora_engine)
+    sync_and_check(FullSync(lora="separate"), model, lora_engine)
     # adapter only, after an update
     T.perturb(model, seed=8, scale=0.3)
-    sync_exactly(AdapterSync(), model, lora_engine)
+    sync_and_check(AdapterSync(), model, lora_engine)
     # reloading the original checkpoint would restore a base the trainer no longer has
     refused(ReloadWeights(), model, lora_engine, UnsupportedModelError, init)
 
@@ -175,7 +158,7 @@ def test_reload_refused_when_the_base_differs_without_a_known_cause(lora_engine)
 
 
 def two_adapters(seed: int):
-    model = peft_model(seed=seed)
+    model = lora_model("llama", seed=seed, config=LORA)
     model.add_adapter(
         "second", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"])
     )
@@ -185,7 +168,7 @@ def two_adapters(seed: int):
 
 
 def test_two_active_adapters_merged_exactly(plain_engine):
-    sync_exactly(FullSync(lora="merge"), two_adapters(seed=11), plain_engine)
+    sync_and_check(FullSync(lora="merge"), two_adapters(seed=11), plain_engine)
 
 
 def test_two_active_adapters_refused_when_served(lora_engine):
@@ -198,7 +181,7 @@ def test_two_active_adapters_refused_when_served(lora_engine):
 
 
 def test_dora_refused_with_zero_writes(lora_engine, plain_engine):
-    model = peft_model(seed=14, use_dora=True)
+    model = lora_model("llama", seed=14, config=LORA, use_dora=True)
     refused(FullSync(lora="merge"), model, plain_engine, UnsupportedModelError, "DoRA")
     for strategy in (FullSync(lora="separate"), AdapterSync(), ReloadWeights()):
         refused(strategy, model, lora_engine, UnsupportedModelError, "DoRA")
@@ -206,8 +189,8 @@ def test_dora_refused_with_zero_writes(lora_engine, plain_engine):
 
 def test_lora_bias_on_layers_without_a_bias_is_refused(lora_engine, plain_engine):
     """Llama's projections have no bias: the bias peft adds on lora_B has nowhere to go in the
-    engine, merged or served (merging it where a bias exists is tested in test_stream.py)."""
-    model = peft_model(seed=15, lora_bias=True)
+    engine, merged or served (merging it where a bias exists is tested in test_tensors.py)."""
+    model = lora_model("llama", seed=15, config=LORA, lora_bias=True)
     refused(FullSync(lora="merge"), model, plain_engine, UnsupportedModelError, "without a bias")
     refused(FullSync(lora="separate"), model, lora_engine, UnsupportedModelError, "lora_bias")
 
@@ -215,7 +198,7 @@ def test_lora_bias_on_layers_without_a_bias_is_refused(lora_engine, plain_engine
 def test_vllm_own_adapter_validation_runs_while_planning(lora_engine):
     """An adapter config vLLM's PEFTHelper refuses fails in plan(), not in add_lora after the
     base was written."""
-    model = peft_model(seed=16)
+    model = lora_model("llama", seed=16, config=LORA)
     adapter = FullSync(lora="separate").plan(model, lora_engine).adapter
     bad = dataclasses.replace(adapter, config={**adapter.config, "bias": "all"})
     with T.count_writes(lora_engine) as writes, pytest.raises(AdapterError, match="vLLM refuses"):
@@ -247,7 +230,7 @@ def test_other_peft_tuners_are_refused(plain_engine):
 
 
 def test_plan_reads_like_an_explanation(lora_engine):
-    model = peft_model(seed=18, init_lora_weights="pissa")
+    model = lora_model("llama", seed=18, config=LORA, init_lora_weights="pissa")
     text = str(FullSync(lora="separate", reason="first sync").plan(model, lora_engine))
     for part in (
         "FullSync(lora=separate)",

@@ -4,7 +4,7 @@ test_server_vllm.py and test_multiproc_vllm.py)."""
 
 from __future__ import annotations
 
-from weightsync.engines.vllm.ledger import LOG_SIZE, Ledger
+from weightsync.engines.vllm.in_engine.ledger import LOG_SIZE, Ledger
 
 
 def test_harm_since_an_epoch_is_the_worst_logged_after_it():

@@ -54,6 +54,7 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
+from conftest import ATOL, LORA, LORA_ARGS
 from peft import LoraConfig, get_peft_model
 
 from weightsync import FullSync, Syncer, policy
@@ -62,13 +63,8 @@ from weightsync import testing as T
 from weightsync.engines import Replicas, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
 from weightsync.errors import WeightSyncError
 
-ATOL = 1e-3
 MAX_TOKENS = 8
-LORA = dict(
-    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
-)
 OTHER_LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "up_proj"])
-LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
 
 TARGETS = ("inproc", "multiproc", "server", "replicas")
 SETUPS = ("full", "merged", "served")

@@ -9,40 +9,24 @@ layout itself against what ``save_pretrained`` writes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+from conftest import moe_model
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from transformers.core_model_loading import Interleave, WeightConverter
 
 from weightsync import FullSync, ReloadWeights
 from weightsync import testing as T
-from weightsync.convert import (
-    Layout,
-    checkpoint_layout,
-    lora_parameters,
-    merged_parameter,
-    to_checkpoint,
-)
 from weightsync.engines import VLLMEngine
 from weightsync.errors import UnsupportedModelError
-from weightsync.plan import Tensor
-from weightsync.stream import base_tensors
+from weightsync.plan import Weight
+from weightsync.trainer.layout import lora_parameters, merged_parameter, to_checkpoint
+from weightsync.trainer.tensors import base_tensors
+from weightsync.wire.layout import Layout, checkpoint_layout
 
-COMMON = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1024,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,
-    "num_experts_per_tok": 2,
-    "head_dim": 32,
-}
 FAMILIES = ["qwen3_moe", "mixtral"]
 # LoRA on attention and, through peft's target_parameters, on the fused experts themselves
 LORA = {
@@ -50,15 +34,6 @@ LORA = {
     "target_modules": ["q_proj", "v_proj"],
     "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
-
-
-def build(family: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    if family == "qwen3_moe":
-        cfg = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=64, **COMMON)
-    else:
-        cfg = MixtralConfig(num_local_experts=4, **COMMON)
-    return AutoModelForCausalLM.from_config(cfg).float().eval()
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -74,7 +49,7 @@ def assert_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) ->
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layout_is_what_save_pretrained_writes(family, tmp_path):
-    model = build(family)
+    model = moe_model(family)
     model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
     sent = {t.name: t.produce(torch.float32) for t in base_tensors(model, merge_lora=False)}
@@ -88,12 +63,12 @@ def test_layout_is_what_save_pretrained_writes(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_planning_materialises_nothing_and_splits_are_not_twins(family):
-    model = build(family)
+    model = moe_model(family)
 
     def refuse(dtype):
         raise AssertionError("materialised while planning")
 
-    planned = [Tensor(n, tuple(p.shape), refuse, source=id(p)) for n, p in model.named_parameters()]
+    planned = [Weight(n, tuple(p.shape), refuse, source=id(p)) for n, p in model.named_parameters()]
     pieces = to_checkpoint(planned, checkpoint_layout(model))
     assert len({t.source for t in pieces}) == len(pieces)  # no piece collapses into another
     # tied dedup keeps every expert (Mixtral: 2 layers x 4 experts x w1/w2/w3)
@@ -104,7 +79,7 @@ def test_planning_materialises_nothing_and_splits_are_not_twins(family):
 def test_a_layout_that_is_not_a_view_runs_transformers_ops():
     """An op that reorders memory (Interleave) cannot be a view: transformers' op runs on the
     real tensor, once per parameter, and the result equals applying the op directly."""
-    model = build("mixtral")
+    model = moe_model("mixtral")
     pattern = ".experts.gate_up_proj"
     rule = WeightConverter(pattern, pattern, operations=[Interleave(dim=1)])
     layout = Layout(model, [rule.reverse_transform()])
@@ -116,7 +91,7 @@ def test_a_layout_that_is_not_a_view_runs_transformers_ops():
 
 
 def test_a_checkpoint_tensor_built_from_several_parameters_is_refused():
-    model = build("mixtral")
+    model = moe_model("mixtral")
     rule = WeightConverter(
         [".experts.gate_up_proj", ".experts.down_proj"],
         ".experts.both",
@@ -128,7 +103,7 @@ def test_a_checkpoint_tensor_built_from_several_parameters_is_refused():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_lora_delta_is_peft_delta(family):
-    model = get_peft_model(build(family), LoraConfig(**LORA))
+    model = get_peft_model(moe_model(family), LoraConfig(**LORA))
     T.perturb(model, seed=1, scale=0.3)
     wrappers = {id(w): w for m in model.modules() for w in lora_parameters(m).values()}
     assert len(wrappers) == 2 * 2  # two layers, gate_up_proj and down_proj
@@ -141,7 +116,7 @@ def test_expert_lora_delta_is_peft_delta(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merged_expert_lora_equals_peft_merge(family):
-    model = get_peft_model(build(family), LoraConfig(**LORA))
+    model = get_peft_model(moe_model(family), LoraConfig(**LORA))
     T.perturb(model, seed=1, scale=0.3)
     before = params(model)
     sent = {t.name: t.produce(torch.float32) for t in base_tensors(model, merge_lora=True)}
@@ -166,7 +141,9 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def engine(family, tmp_path_factory):
-    return VLLMEngine(T.make_llm(T.save_checkpoint(build(family), tmp_path_factory.mktemp(family))))
+    return VLLMEngine(
+        T.make_llm(T.save_checkpoint(moe_model(family), tmp_path_factory.mktemp(family)))
+    )
 
 
 def sync_and_check(model, engine, strategy):
@@ -179,27 +156,27 @@ def sync_and_check(model, engine, strategy):
 
 
 def test_full_sync_dense(family, engine):
-    model = build(family)
+    model = moe_model(family)
     T.perturb(model, seed=2, scale=0.05)
     sync_and_check(model, engine, FullSync())
 
 
 def test_full_sync_lora_merged_on_attention(family, engine):
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"])
-    model = get_peft_model(build(family), lora)
+    model = get_peft_model(moe_model(family), lora)
     T.perturb(model, seed=3, scale=0.3)
     sync_and_check(model, engine, FullSync(lora="merge"))
 
 
 def test_full_sync_lora_merged_on_experts(family, engine):
     """LoRA on the fused experts (peft target_parameters) is merged exactly per expert."""
-    model = get_peft_model(build(family), LoraConfig(**LORA))
+    model = get_peft_model(moe_model(family), LoraConfig(**LORA))
     T.perturb(model, seed=5, scale=0.3)
     sync_and_check(model, engine, FullSync(lora="merge"))
 
 
 def test_reload_snapshot(family, engine, tmp_path):
-    model = build(family)
+    model = moe_model(family)
     T.perturb(model, seed=4, scale=0.05)
     sync_and_check(model, engine, ReloadWeights(snapshot_dir=tmp_path / "snapshot"))
     (shard,) = (tmp_path / "snapshot").glob("*.safetensors")
@@ -214,11 +191,14 @@ def test_served_lora_refused_on_a_cpu_moe_engine(family, engine, monkeypatch):
     from vllm.config import LoRAConfig
 
     from weightsync.errors import AdapterError
-    from weightsync.stream import adapter
+    from weightsync.trainer.tensors import adapter
+    from weightsync.wire.protocol import LoraLimits
 
     assert engine._cpu_moe and not engine.keeps_unsent_layers
     monkeypatch.setattr(engine, "_lora_config", LoRAConfig(max_lora_rank=16))
-    model = get_peft_model(build(family), LoraConfig(r=8, target_modules=["q_proj"]))
+    claimed = LoraLimits(max_rank=16, modules=("q_proj",))
+    monkeypatch.setattr(engine, "_facts", dataclasses.replace(engine.facts, lora=claimed))
+    model = get_peft_model(moe_model(family), LoraConfig(r=8, target_modules=["q_proj"]))
     with (
         T.count_writes(engine) as writes,
         pytest.raises(AdapterError, match="cannot apply LoRA to a MoE model"),

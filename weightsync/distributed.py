@@ -39,11 +39,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import errors
-from .engines.base import Attestation, Engine, adapt
+from .engines.base import Attestation, Engine, EngineFacts, adapt
+from .execute import SyncReport, execute
 from .plan import Adapter, Plan
 from .state import Syncer
-from .strategies.base import Strategy, SyncReport, execute
-from .stream import _full
+from .strategies.base import Strategy
+from .trainer.gather import full
 
 _CONTINUE, _DONE, _ABORT = 0, 1, 2
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -70,20 +71,8 @@ class _Facts(Engine):
         return Attestation(None, frozenset(self._facts["asleep"]), self._facts["harm"])
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self._facts["dtype"]
-
-    @property
-    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
-        return self._facts["expected_weights"]
-
-    @property
-    def shared_weights(self) -> list[tuple[str, ...]]:
-        return self._facts["shared_weights"]
-
-    @property
-    def serves_lora(self) -> bool:
-        return self._facts["serves_lora"]
+    def facts(self) -> EngineFacts:
+        return self._facts["facts"]
 
     def describe(self) -> str:
         return self._facts["describe"]
@@ -103,10 +92,7 @@ def _facts_of(engine: Engine, strategy: Strategy) -> dict[str, Any]:
     now = engine.attest()
     return {
         "strategy": strategy,
-        "dtype": engine.dtype,
-        "expected_weights": {k: tuple(v) for k, v in engine.expected_weights.items()},
-        "shared_weights": [tuple(g) for g in engine.shared_weights],
-        "serves_lora": engine.serves_lora,
+        "facts": engine.facts,
         "describe": engine.describe(),
         "asleep": sorted(now.asleep),
         "harm": now.harm,
@@ -214,7 +200,7 @@ def sync(
 
     # The adapter is small: gathered whole by every rank, kept by src only.
     if plan.adapter is not None:
-        gathered = {k: _full(t) for k, t in plan.adapter.tensors.items()}
+        gathered = {k: full(t) for k, t in plan.adapter.tensors.items()}
         if rank == src:
             adapter = dataclasses.replace(plan.adapter, tensors=gathered)
             plan = dataclasses.replace(plan, adapter=adapter)

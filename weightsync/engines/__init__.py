@@ -1,33 +1,51 @@
 """Engine adapters. ``VLLMEngine`` wraps an in-process ``vllm.LLM``; another engine is one
 `Engine` subclass decorated with `register`.
 
-Importing this package does not import vLLM: the adapter imports it when it is constructed.
+Importing this package imports nothing until a name is used (PEP 562), and never vLLM: an
+adapter imports it when it is constructed.
 """
 
-from .base import Engine, adapt, register
-from .vllm import (
-    GlooTransport,
-    LLMWeightSyncClient,
-    Replicas,
-    TmpfsTransport,
-    VLLMBackendTransport,
-    VLLMEngine,
-    VLLMMultiprocEngine,
-    VLLMServerEngine,
-    WeightTransferTransport,
-)
+from __future__ import annotations
 
-__all__ = [
-    "Engine",
-    "GlooTransport",
-    "LLMWeightSyncClient",
-    "Replicas",
-    "TmpfsTransport",
-    "VLLMBackendTransport",
-    "VLLMEngine",
-    "VLLMMultiprocEngine",
-    "VLLMServerEngine",
-    "WeightTransferTransport",
-    "adapt",
-    "register",
-]
+from typing import TYPE_CHECKING
+
+from .. import lazy
+
+if TYPE_CHECKING:
+    from .base import Engine as Engine
+    from .base import EngineFacts as EngineFacts
+    from .base import adapt as adapt
+    from .base import register as register
+    from .replicas import Replicas as Replicas
+    from .vllm.control import WORKER_EXTENSION as WORKER_EXTENSION
+    from .vllm.inprocess import VLLMEngine as VLLMEngine
+    from .vllm.remote import VLLMMultiprocEngine as VLLMMultiprocEngine
+    from .vllm.server import VLLMServerEngine as VLLMServerEngine
+    from .vllm.transports import GlooTransport as GlooTransport
+    from .vllm.transports import LLMWeightSyncClient as LLMWeightSyncClient
+    from .vllm.transports import TmpfsTransport as TmpfsTransport
+    from .vllm.transports import VLLMBackendTransport as VLLMBackendTransport
+    from .vllm.transports import WeightTransferTransport as WeightTransferTransport
+
+_EXPORTS = {
+    ".base": (
+        "Engine",
+        "EngineFacts",
+        "adapt",
+        "register",
+    ),
+    ".replicas": ("Replicas",),
+    ".vllm.control": ("WORKER_EXTENSION",),
+    ".vllm.inprocess": ("VLLMEngine",),
+    ".vllm.remote": ("VLLMMultiprocEngine",),
+    ".vllm.server": ("VLLMServerEngine",),
+    ".vllm.transports": (
+        "GlooTransport",
+        "LLMWeightSyncClient",
+        "TmpfsTransport",
+        "VLLMBackendTransport",
+        "WeightTransferTransport",
+    ),
+}
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+__getattr__ = lazy.exports(__name__, _EXPORTS)

@@ -10,12 +10,13 @@ unmapped: trl#5142), after a level-2 sleep the base weights are gone until somet
 them all (vllm#29341), and anyone -- another client, the framework, vLLM itself -- may have
 slept, woken or rewritten the engine since weightsync last looked. An engine that can attest
 keeps an *epoch* that every sleep, wake, reload, restart and weight write advances (for vLLM:
-``engines/vllm/ledger.py``, inside its workers); one that cannot is assumed to have lost its
+``engines/vllm/in_engine/ledger.py``, inside its workers); one that cannot is assumed to have lost its
 base at any time. Both are checked by `Engine.check_writable` before any strategy writes.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ import torch
 
 from ..errors import BaseDiscardedError, EngineAsleepError
 from ..plan import Adapter, Bucket
+from ..wire.protocol import EngineFacts
+
+__all__ = ["Attestation", "Engine", "EngineFacts", "adapt", "register"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,10 @@ class Engine(ABC):
     #: Name under which the adapter is registered (see `register`).
     name: ClassVar[str]
 
-    #: A write that leaves some layers out leaves them as they were, so a sync may skip the
-    #: layers the engine attests it still holds exactly (see ``strategies.base.unchanged``).
-    keeps_unsent_layers: bool = True
+    #: The engine may load while another engine of this process loads. False for engines that
+    #: load one at a time (in-process vLLM engines share modules): `Replicas` then buffers the
+    #: stream for them instead of waiting on them.
+    loads_concurrently: ClassVar[bool] = True
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
@@ -84,28 +89,39 @@ class Engine(ABC):
 
     @property
     @abstractmethod
-    def dtype(self) -> torch.dtype:
-        """The dtype the engine computes in; weights are sent in it, cast once."""
+    def facts(self) -> EngineFacts:
+        """What the engine loads and serves, read from the engine itself (see `EngineFacts`).
+
+        Every check a plan makes is against these: ``weights`` is the contract a full sync is
+        checked against before anything is written (a name outside it, a name of it missing
+        from the stream, or a different shape is an error); whatever is sent under one group
+        of ``tied`` must be one tensor in the trainer too, or the engine cannot hold it."""
 
     @property
-    @abstractmethod
-    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
-        """Checkpoint name -> shape of every weight the engine loads.
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine computes in; weights are sent in it, cast once."""
+        return cast("torch.dtype", getattr(torch, self.facts.dtype))
 
-        This is the contract a full sync is checked against before anything is written: a name
-        outside it, a name of it missing from the stream, or a different shape is an error.
-        """
+    @property
+    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
+        """Checkpoint name -> shape of every weight the engine loads."""
+        return self.facts.weights
 
     @property
     def shared_weights(self) -> list[tuple[str, ...]]:
-        """Groups of names the engine holds as *one* tensor (tied embeddings). Whatever is
-        sent under them must be one tensor in the trainer too, or the engine cannot hold it."""
-        return []
+        """Groups of names the engine holds as *one* tensor (tied embeddings)."""
+        return list(self.facts.tied)
 
     @property
-    @abstractmethod
     def serves_lora(self) -> bool:
         """The engine applies a LoRA adapter at generation time (vLLM ``enable_lora``)."""
+        return self.facts.lora is not None
+
+    @property
+    def keeps_unsent_layers(self) -> bool:
+        """A write that leaves some layers out leaves them as they were, so a sync may skip
+        the layers the engine attests it still holds exactly (``strategies.base.unchanged``)."""
+        return self.facts.keeps_unsent_layers
 
     def describe(self) -> str:
         """One line naming the engine, for plans and logs."""
@@ -334,11 +350,18 @@ def register(cls: type[Engine]) -> type[Engine]:
     return cls
 
 
+#: Modules of the adapters weightsync ships, imported on the first `adapt` (importing them
+#: does not import vLLM; each registers itself).
+_BUILTIN = ("weightsync.engines.vllm.inprocess", "weightsync.engines.vllm.remote")
+
+
 def adapt(engine: Any) -> Engine:
     """Wrap a raw engine object (e.g. a ``vllm.LLM``) in the registered adapter that accepts it;
     an `Engine` is returned as it is."""
     if isinstance(engine, Engine):
         return engine
+    for module in _BUILTIN:
+        importlib.import_module(module)
     for cls in _REGISTRY.values():
         if cls.accepts(engine):
             # A registered adapter is constructed from the raw engine it accepts (the abstract

@@ -46,7 +46,7 @@ import logging
 import typing
 from typing import Any
 
-from ..engines.vllm import VLLMEngine
+from ..engines.vllm.inprocess import VLLMEngine
 from ..state import Syncer
 
 logger = logging.getLogger(__name__)

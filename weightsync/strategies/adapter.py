@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..engines.base import Engine
-from ..plan import Adapter, Plan, Tensor
-from ..stream import DEFAULT_BUCKET_BYTES, adapter, trained_copies
+from ..plan import Adapter, Plan, Weight
+from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, trained_copies
 from .base import Strategy, check_names
 
 
@@ -42,7 +42,7 @@ class AdapterSync(Strategy):
         )
 
 
-def adapter_part(model: nn.Module, engine: Engine) -> tuple[Adapter, list[Tensor]]:
+def adapter_part(model: nn.Module, engine: Engine) -> tuple[Adapter, list[Weight]]:
     """The adapter of ``model`` and its ``modules_to_save`` copies, checked against ``engine``."""
     served = adapter(model)
     engine.check_adapter(served)

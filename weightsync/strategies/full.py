@@ -6,12 +6,11 @@ from typing import Literal
 
 from torch import nn
 
-from .. import peft_support
 from ..engines.base import Engine
 from ..errors import AdapterError
 from ..plan import Plan
-from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors
-from ..stream import _is_peft as is_peft
+from ..trainer import peft_support
+from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
 from .base import Strategy, check_names, unchanged
 
 LoraMode = Literal["merge", "separate"]

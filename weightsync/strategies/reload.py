@@ -8,12 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import peft_support
 from ..engines.base import Engine
 from ..errors import UnsupportedModelError
-from ..plan import Adapter, Plan, Tensor
-from ..stream import DEFAULT_BUCKET_BYTES, adapter, base_tensors
-from ..stream import _is_peft as is_peft
+from ..plan import Adapter, Plan, Weight
+from ..trainer import peft_support
+from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
 from .adapter import adapter_part
 from .base import Strategy, check_names
 
@@ -127,7 +126,7 @@ def _require_untouched_base(model: nn.Module, engine: Engine) -> None:
         )
 
 
-def _sampled_differences(tensors: list[Tensor], engine: Engine) -> list[str]:
+def _sampled_differences(tensors: list[Weight], engine: Engine) -> list[str]:
     """Compare the first row of up to `SAMPLED_TENSORS` base tensors with the checkpoint.
 
     Exact, in the less precise of the two dtypes (a bf16 trainer loaded from a float32

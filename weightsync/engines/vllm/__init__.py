@@ -1,23 +1,14 @@
-"""vLLM engines, side by side: the in-process ``vllm.LLM`` adapter, and the code for engines
-out of process (a ``vllm serve`` server, a multiprocess ``LLM``) with their transports and the
-worker-side extension vLLM loads into its own processes."""
+"""vLLM engines. The tree says which code runs where:
 
-# worker first: it registers the "weightsync" weight-transfer backend by importing
-# weight_transfer, which imports transport, which imports worker's constants.
-from . import worker  # noqa: F401
-from .inprocess import VLLMEngine
-from .server import Replicas, VLLMMultiprocEngine, VLLMServerEngine
-from .transport import GlooTransport, TmpfsTransport
-from .weight_transfer import LLMWeightSyncClient, VLLMBackendTransport, WeightTransferTransport
+- the trainer's process: ``inprocess.py`` (an ``LLM`` in this process), ``remote.py`` (one in
+  other processes: a multiprocess ``LLM``, or a server through ``server.py``, ``stock.py``),
+  ``control.py`` (the calls besides bytes), ``transports.py`` (how bytes reach the workers);
+- vLLM's worker processes: ``in_engine/`` (the worker extension, the weight-transfer backend,
+  the operations on the model vLLM built, the epoch's ledger), which imports only
+  ``weightsync.wire`` and vLLM;
+- both: ``weightsync.wire`` (the format of every byte and message between them).
 
-__all__ = [
-    "GlooTransport",
-    "LLMWeightSyncClient",
-    "Replicas",
-    "TmpfsTransport",
-    "VLLMBackendTransport",
-    "VLLMEngine",
-    "VLLMMultiprocEngine",
-    "VLLMServerEngine",
-    "WeightTransferTransport",
-]
+This package's ``__init__`` imports nothing, so vLLM importing the worker extension
+(``worker.WeightsyncWorker``) in its workers loads only what they need. The public names are
+``weightsync.engines``'.
+"""

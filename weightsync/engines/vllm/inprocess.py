@@ -2,13 +2,11 @@
 
 Why these engine calls and not others (see also ``docs/engines.md``):
 
-- Weights go through ``collective_rpc("reload_weights", weights_iterator=...)``. That path takes
-  checkpoint names (unfused q/k/v, gate/up), loads them layer by layer and re-runs the engine's
-  post-load processing. A raw ``model.load_weights`` does not: it corrupts weights that processing
-  reshaped (vllm#42821, #17429) and on the CPU backend fails outright, because the repacked linear
-  parameters have shape ``(0,)``.
-- The iterator is passed by reference, so this adapter needs the engine core in this process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before the ``LLM`` is created).
+- Weights go through ``collective_rpc(model_ops.reload, ...)``: vLLM's layerwise
+  ``reload_weights`` with the recovery every weightsync write has (``in_engine/model_ops.py``
+  says why each), the same code a worker process runs. The iterator is passed by reference, so
+  this adapter needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+  before the ``LLM`` is created).
 - Adapters are built from the trainer's tensors inside the worker (``lora.py``: vLLM's own
   validation and ``LoRAModel.from_lora_tensors``, replacing the adapter under one stable id), with
   no file round trip. Where this vLLM lacks a piece that path needs, the adapter is written to
@@ -27,100 +25,30 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Hashable, Iterable, Mapping
+import threading
+from collections.abc import Hashable, Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from ... import timing
 from ...errors import AdapterError, NoCheckpointError
 from ...plan import Adapter
+from ...wire import format as fmt
+from ...wire.protocol import EngineFacts, Outcome
+from ...wire.scratch import scratch_dir
 from ..base import Attestation, Engine, register
-from ..scratch import scratch_dir
-from . import checkpoint as ckpt
-from . import ledger
-from .worker import (
-    abandon_layerwise_reload,
-    has_cpu_moe,
-    lora_modules,
-    repack_cpu_moe,
-    shared_parameter_names,
-    tied_weights,
-)
+from .control import attestation, greedy_generate, score_prompts, since_arg
+from .in_engine import checkpoint as ckpt
+from .in_engine import ledger, model_ops
 
-
-def greedy_generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int, lora_request: Any
-) -> list[tuple[list[int], list[float]]]:
-    """Greedy-decode ``max_tokens`` for each prompt on a ``vllm.LLM`` (in or out of process),
-    in one call; the tokens and their logprobs."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
-    )
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-        params,
-        lora_request=lora_request,
-        use_tqdm=False,
-    )
-    results = []
-    for out in outputs:
-        tokens = list(out.outputs[0].token_ids)
-        logprobs = [
-            step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
-        ]
-        results.append((tokens, logprobs))
-    return results
-
-
-def score_prompts(
-    llm: Any, prompts: list[list[int]], top_k: int, lora_request: Any
-) -> list[list[dict[int, float]]]:
-    """For each prompt, each position after the first: the logprobs vLLM gives the prompt's
-    token and its ``top_k`` most likely tokens (``prompt_logprobs``)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is computed
-    # under the weights served now. One token is generated because vLLM must.
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
-    # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not per
-    # prompt position: two prompts in one batch with prompt_logprobs fail ("einsum(): subscript b
-    # has size 2 ... 63"). One prompt per call is exact.
-    lora_enabled = llm.llm_engine.vllm_config.lora_config is not None
-    groups = [[p] for p in prompts] if lora_enabled else [prompts]
-    outputs = [
-        out
-        for group in groups
-        for out in llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in group],
-            params,
-            lora_request=lora_request,
-            use_tqdm=False,
-        )
-    ]
-    return [
-        [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
-        for out in outputs
-    ]
-
-
-def attestation(reports: list[dict[str, Any]]) -> Attestation:
-    """The engine's attestation from its workers' ledger reports (one per rank, see
-    ``ledger.Ledger.report``): its epoch is every rank's (boot, epoch), its harm the worst."""
-    return Attestation(
-        epoch=tuple((r["boot"], int(r["epoch"])) for r in reports),
-        asleep=frozenset(tag for r in reports for tag in r["asleep"]),
-        harm=max(int(r["harm"]) for r in reports),
-    )
-
-
-def since_arg(epoch: Hashable | None) -> list[list[Any]] | None:
-    """An attested vLLM epoch as the workers' ``since`` argument (JSON: lists)."""
-    return None if epoch is None else [list(rank) for rank in cast("tuple", epoch)]
+#: Held by every in-process reload. vLLM shares modules between the LLMs of one process
+#: (``get_rope`` caches a ``RotaryEmbedding`` by its parameters) and its layerwise reload keeps
+#: per-module state (as does its current-config global), so two in-process engines reloading at
+#: once (``Replicas`` writes from threads) break each other's reload (seen: vLLM's
+#: ``info.kernel_tensors is not None`` assertion on ``RotaryEmbedding``).
+_RELOADING = threading.Lock()
 
 
 @register
@@ -142,6 +70,8 @@ class VLLMEngine(Engine):
     """
 
     name = "vllm"
+    #: In-process engines load one at a time (`_RELOADING`).
+    loads_concurrently = False
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
@@ -169,25 +99,15 @@ class VLLMEngine(Engine):
         config = llm.llm_engine.vllm_config
         self._model_config = config.model_config
         self._lora_config = config.lora_config
-        # vLLM repoints model_config.model at any folder it reloads from: remember the original.
-        self.checkpoint = checkpoint or ckpt.local_folder(
-            self._model_config.model, self._model_config.revision
-        )
         self._load_config = config.load_config
-        self._files = ckpt.weight_files(self.checkpoint, self._load_config)
-        # What the engine loads: the weights of the model its config builds, as the files it
-        # read hold them; with no files read (load_format="dummy"), that model's own layout.
+        self._executor = llm.llm_engine.engine_core.engine_core.model_executor
+        # What the engine loads and serves, read as a worker process reads it. vLLM repoints
+        # model_config.model at any folder it reloads from: the facts keep the original.
+        self._facts: EngineFacts = self._executor.collective_rpc(
+            model_ops.read_facts, kwargs={"checkpoint": checkpoint or ""}
+        )[0]
+        self.checkpoint = self._facts.checkpoint
         self._reads_files = ckpt.loads_files(self._load_config)
-        shapes = ckpt.loaded_shapes(
-            ckpt.config_model(self._model_config.hf_config, self._model_config.trust_remote_code),
-            self._files if self._reads_files else None,
-        )
-        # A tied engine shares one parameter between lm_head and embed_tokens, and the
-        # checkpoint stores it once. vLLM's layerwise reload restores each module on its own,
-        # so the twin left out of the stream keeps its old values: both names must be sent.
-        shared, _ = tied_weights(llm.apply_model(shared_parameter_names)[0], shapes)
-        self._shared: list[tuple[str, ...]] = [tuple(names) for names in shared]
-        self._expected = shapes
         self._adapter_root = Path(adapter_dir) if adapter_dir else scratch_dir(self, "adapter")
         #: The id the served adapter is loaded under (picked at the first adapter check when
         #: the caller gave none).
@@ -196,12 +116,8 @@ class VLLMEngine(Engine):
         self._lora_id_loaded = False  # weightsync loaded an adapter under lora_id
         self.lora_name = lora_name
         self._lora_request = None
-        self._lora_modules: set[str] | None = None
-        # A CPU MoE engine re-packs every MoE layer after a reload (see worker.repack_cpu_moe), so a
-        # layer left out of a sync would be packed twice: every sync sends every layer.
-        self._cpu_moe = bool(llm.apply_model(has_cpu_moe)[0])
-        self.keeps_unsent_layers = not self._cpu_moe
-        self._executor = llm.llm_engine.engine_core.engine_core.model_executor
+        # Only a CPU MoE engine re-processes layers a write left out (model_ops.read_facts).
+        self._cpu_moe = not self._facts.keeps_unsent_layers
         # Install the workers' ledger now. Asleep already (TRL sleeps in its __init__): the
         # level is unknown, the ledger logs harm 2.
         self._attest(None)
@@ -209,20 +125,8 @@ class VLLMEngine(Engine):
     # --- what the engine holds -------------------------------------------------------------
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self._model_config.dtype
-
-    @property
-    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
-        return self._expected
-
-    @property
-    def serves_lora(self) -> bool:
-        return self._lora_config is not None
-
-    @property
-    def shared_weights(self) -> list[tuple[str, ...]]:
-        return list(self._shared)
+    def facts(self) -> EngineFacts:
+        return self._facts
 
     @property
     def lora_request(self) -> Any:
@@ -238,33 +142,20 @@ class VLLMEngine(Engine):
     # Any iterable of pairs is a bucket here (reload_checkpoint streams one from disk lazily).
     def load_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
         self._forget_adapter()
-        pairs = (pair for bucket in buckets for pair in bucket)
-        self._reload({"weights_iterator": pairs, "is_checkpoint_format": True})
+        self._reload(weights=(pair for bucket in buckets for pair in bucket))
         return 1
 
-    def _reload(self, kwargs: dict[str, Any]) -> None:
-        """``reload_weights`` that leaves vLLM usable when it fails part-way.
-
-        vLLM 0.32's reload has no cleanup: if the weights iterator (or a loader) raises, every
-        layer not yet finished stays on the meta device with its loaders wrapped, so generation
-        fails ("Tensor on device meta") and leaves the scheduler stuck, and every later reload
-        fails ("'Parameter' object has no attribute 'weight_loader'"). On error this drops
-        what layers cut mid-way had buffered -- vLLM would process them with their missing
-        parts left uninitialised, NaN that then also poisons the KV cache -- and finishes the
-        reload as vLLM does, which gives every layer not completed its previous tensors back.
-        The engine then works, serving a mix of old and new layers, so the error is re-raised
-        and the caller must resync everything (Syncer does).
-        """
+    def _reload(self, **kwargs: Any) -> None:
+        """`model_ops.reload` (vLLM's layerwise reload, recovered when it fails part-way: the
+        engine then serves a mix of old and new layers, and the error is re-raised so the caller
+        resyncs everything), then a prefix-cache reset whatever happened."""
         try:
-            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
-            if self._cpu_moe:
-                self.llm.apply_model(repack_cpu_moe)
-        except BaseException:
-            config = self._model_config
-            self.llm.apply_model(lambda model: abandon_layerwise_reload(model, config))
-            raise
+            with _RELOADING:
+                outcome: Outcome = self.llm.collective_rpc(model_ops.reload, kwargs=kwargs)[0]
         finally:
             self.llm.reset_prefix_cache()
+        if not outcome.ok:
+            raise outcome.exception or RuntimeError(outcome.error)
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         folder = path or self.checkpoint
@@ -273,37 +164,33 @@ class VLLMEngine(Engine):
             if path is None
             else ckpt.weight_files(folder, self._load_config)
         )
-        _, twins = tied_weights([list(g) for g in self._shared], dict(ckpt.shapes(files)))
+        _, twins = model_ops.fold_tied(self.shared_weights, dict(fmt.shapes(files)))
         if twins or not self._reads_files:
             # vLLM's own reload from disk leaves a tied twin (lm_head) stale, because the
             # checkpoint stores the shared tensor once (measured on vLLM 0.32), and an engine
             # whose loader reads no files (dummy) cannot reload from disk at all. Read the
             # files here instead and send each shared tensor under every name.
-            return self.load_weights([ckpt.read_with_twins(files, twins)])
+            stream = model_ops.checkpoint_stream(files, self.shared_weights)
+            return self.load_weights([timing.spanned(stream, "serialize")])
         self._forget_adapter()
-        self._reload({"weights_path": folder})
+        self._reload(path=folder)
         return 1
 
-    def _supported_lora_modules(self) -> set[str]:
-        if self._lora_modules is None:
-            self._lora_modules = self.llm.apply_model(lora_modules)[0]
-        return self._lora_modules
-
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return ckpt.heads(self._reloadable_files(), names)
+        return fmt.heads(self._reloadable_files(), names)
 
     def _reloadable_files(self) -> list[str]:
         """The files `reload_checkpoint` reloads; raises `NoCheckpointError` when there are none
         (a dummy engine on a folder without weights). ReloadWeights of the original checkpoint
         reads their heads while planning, so it is refused there, before anything is written."""
-        if not self._files:
+        if not self._facts.files:
             raise NoCheckpointError(
                 f"this engine was started with load_format={self._load_config.load_format!r} from "
                 f"{self.checkpoint}, which holds no weight files: there is no checkpoint to "
                 "reload. Use FullSync, or ReloadWeights(snapshot_dir=...) to reload the trainer's "
                 "current weights."
             )
-        return self._files
+        return list(self._facts.files)
 
     def describe(self) -> str:
         lora = (
@@ -322,7 +209,8 @@ class VLLMEngine(Engine):
                 "adapter; merge it instead (FullSync(lora='merge')) or recreate the LLM with "
                 "enable_lora=True"
             )
-        limit = self._lora_config.max_lora_rank
+        assert self._facts.lora is not None  # serves_lora
+        limit = self._facts.lora.max_rank
         if adapter.rank > limit:
             raise AdapterError(
                 f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's "
@@ -343,11 +231,11 @@ class VLLMEngine(Engine):
         except (ValueError, TypeError) as err:
             raise AdapterError(f"vLLM refuses adapter {adapter.name!r}: {err}") from err
         targets = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter.tensors}
-        unsupported = sorted(targets - self._supported_lora_modules())
+        unsupported = sorted(targets - self._lora_modules())
         if unsupported:
             raise AdapterError(
                 f"adapter {adapter.name!r} targets {unsupported}, which this vLLM model cannot "
-                f"apply LoRA to (it can: {sorted(self._supported_lora_modules())}); merge the "
+                f"apply LoRA to (it can: {sorted(self._lora_modules())}); merge the "
                 "adapter instead (FullSync(lora='merge'))"
             )
         self._claim_lora_id()
@@ -392,7 +280,7 @@ class VLLMEngine(Engine):
         # The config exactly as vLLM would read it back from adapter_config.json.
         config = json.loads(json.dumps(adapter.config, default=str))
         if self._memory_load_supported():
-            from .lora import install_adapter, memory_lora_path
+            from .in_engine.lora import install_adapter, memory_lora_path
 
             # An older folder could otherwise be reloaded by a held request after eviction.
             shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
@@ -402,7 +290,10 @@ class VLLMEngine(Engine):
             )
             path = memory_lora_path(self.lora_name, lora_id)
         else:
-            path = str(self._write_adapter_folder(adapter, config))
+            folder = self._adapter_root / "adapter"
+            with timing.span("serialize"):
+                fmt.write_adapter(folder, adapter.tensors.items(), config)
+            path = str(folder)
             self.llm.llm_engine.add_lora(
                 LoRARequest(self.lora_name, lora_id, path, load_inplace=True)
             )
@@ -415,26 +306,14 @@ class VLLMEngine(Engine):
         if not self.adapter_from_memory:
             return False
         if getattr(self, "_memory_load_ok", None) is None:
-            from .lora import supports_memory_load
+            from .in_engine.lora import supports_memory_load
 
             self._memory_load_ok = all(self.llm.collective_rpc(supports_memory_load))
         return self._memory_load_ok
 
-    def _write_adapter_folder(self, adapter: Adapter, config: dict) -> Path:
-        from safetensors.torch import save_file
-
-        folder = self._adapter_root / "adapter"
-        staging = self._adapter_root / "adapter.new"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        save_file(
-            {k: v.contiguous() for k, v in adapter.tensors.items()},
-            str(staging / "adapter_model.safetensors"),
-        )
-        (staging / "adapter_config.json").write_text(json.dumps(config))
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)
-        return folder
+    def _lora_modules(self) -> set[str]:
+        assert self._facts.lora is not None  # checked by check_adapter first
+        return set(self._facts.lora.modules)
 
     def _forget_adapter(self) -> None:
         self._lora_request = None

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from torch import nn
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from peft import PeftModel  # untyped for mypy (peft is skipped): Any
@@ -38,71 +38,67 @@ if TYPE_CHECKING:
 Mode = Literal["merge", "serve"]
 Handling = Literal["inert", "exact", "merge", "init", "refused"]
 
-#: LoraConfig option -> (handling, why). Options absent from the table are refused when set.
+#: LoraConfig option, how weightsync handles it, and why. An option not in the table is refused
+#: when set. ``inert``: does not change what the engine must hold; ``exact``: reproduced exactly in
+#: both modes; ``merge``: reproduced when merged, refused when served; ``init``: initial values
+#: only (a base-rewriting initialisation is checked apart); ``refused``: not reproduced.
+_TABLE = """
+# Bookkeeping: what the config says about itself.
+task_type               inert    metadata
+peft_type               inert    checked apart: only LORA adapters are synced
+auto_mapping            inert    metadata
+peft_version            inert    metadata
+base_model_name_or_path inert    metadata
+revision                inert    metadata
+inference_mode          inert    freezes the adapter; does not change its output
+runtime_config          inert    placement of tensors during training
+lora_dropout            inert    dropout is off when the trainer generates (eval mode)
+# Which modules are wrapped: the walk reads the wrapped modules themselves.
+target_modules          inert    the wrapped modules are read from the model
+exclude_modules         inert    the wrapped modules are read from the model
+layers_to_transform     inert    the wrapped modules are read from the model
+layers_pattern          inert    the wrapped modules are read from the model
+# The LoRA math.
+r                       exact    rank; the engine must allow it (max_lora_rank)
+lora_alpha              exact    part of the scale, read from each layer
+use_rslora              exact    part of the scale, read from each layer
+rank_pattern            exact    per-module rank, read from each layer
+alpha_pattern           exact    per-module alpha, read from each layer
+modules_to_save         exact    trained full copies, sent as base weights in both modes
+fan_in_fan_out          merge    transposed (Conv1D) layouts are merged; serving them is untested
+bias                    merge    trained base biases are full weights: sent by a full sync, not by an adapter
+lora_bias               merge    a bias on lora_B is merged into the base bias; vLLM cannot serve it
+# Initialisation only.
+init_lora_weights       init     initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA rewrite the base
+loftq_config            init     LoftQ initialisation settings
+eva_config              init     EVA initialisation settings
+corda_config            init     CorDA initialisation settings
+lora_ga_config          init     LoRA-GA initialisation settings
+# Everything below changes the forward pass in ways weightsync does not reproduce.
+use_dora                refused  DoRA rescales each weight by a learned magnitude; not merged, not served by vLLM
+layer_replication       refused  replicated layers change the architecture the engine runs
+trainable_token_indices refused  trainable token rows are a separate PEFT layer type
+target_parameters       merge    LoRA on raw parameters (MoE experts) is merged per expert; no engine serves it
+megatron_config         refused  Megatron-parallel LoRA layers are not walked
+use_qalora              refused  quantization-aware LoRA needs the quantized base
+alora_invocation_tokens refused  activated LoRA depends on the prompt, not only the weights
+velora_config           refused  VeLoRA changes the layer
+monteclora_config       refused  MonteCLoRA samples its adapter
+arrow_config            refused  Arrow routes between adapters per token
+kasa_config             refused  KaSA changes the layer
+use_bdlora              refused  block-diagonal LoRA is a different layer
+ensure_weight_tying     refused  tied trainable copies are untested
+# Only read when their option above is set.
+megatron_core           inert    only read with megatron_config
+qalora_group_size       inert    only read with use_qalora
+"""
+
+#: LoraConfig option -> (handling, why), from `_TABLE`.
 OPTIONS: dict[str, tuple[Handling, str]] = {
-    # Bookkeeping: what the config says about itself.
-    "task_type": ("inert", "metadata"),
-    "peft_type": ("inert", "checked apart: only LORA adapters are synced"),
-    "auto_mapping": ("inert", "metadata"),
-    "peft_version": ("inert", "metadata"),
-    "base_model_name_or_path": ("inert", "metadata"),
-    "revision": ("inert", "metadata"),
-    "inference_mode": ("inert", "freezes the adapter; does not change its output"),
-    "runtime_config": ("inert", "placement of tensors during training"),
-    "lora_dropout": ("inert", "dropout is off when the trainer generates (eval mode)"),
-    # Which modules are wrapped: the walk reads the wrapped modules themselves.
-    "target_modules": ("inert", "the wrapped modules are read from the model"),
-    "exclude_modules": ("inert", "the wrapped modules are read from the model"),
-    "layers_to_transform": ("inert", "the wrapped modules are read from the model"),
-    "layers_pattern": ("inert", "the wrapped modules are read from the model"),
-    # The LoRA math.
-    "r": ("exact", "rank; the engine must allow it (max_lora_rank)"),
-    "lora_alpha": ("exact", "part of the scale, read from each layer"),
-    "use_rslora": ("exact", "part of the scale, read from each layer"),
-    "rank_pattern": ("exact", "per-module rank, read from each layer"),
-    "alpha_pattern": ("exact", "per-module alpha, read from each layer"),
-    "modules_to_save": ("exact", "trained full copies, sent as base weights in both modes"),
-    "fan_in_fan_out": ("merge", "transposed (Conv1D) layouts are merged; serving them is untested"),
-    "bias": (
-        "merge",
-        "trained base biases are full weights: sent by a full sync, not by an adapter",
-    ),
-    "lora_bias": ("merge", "a bias on lora_B is merged into the base bias; vLLM cannot serve it"),
-    # Initialisation only.
-    "init_lora_weights": (
-        "init",
-        "initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA rewrite the base",
-    ),
-    "loftq_config": ("init", "LoftQ initialisation settings"),
-    "eva_config": ("init", "EVA initialisation settings"),
-    "corda_config": ("init", "CorDA initialisation settings"),
-    "lora_ga_config": ("init", "LoRA-GA initialisation settings"),
-    # Everything below changes the forward pass in ways weightsync does not reproduce.
-    "use_dora": (
-        "refused",
-        "DoRA rescales each weight by a learned magnitude; not merged, not served by vLLM",
-    ),
-    "layer_replication": ("refused", "replicated layers change the architecture the engine runs"),
-    "trainable_token_indices": ("refused", "trainable token rows are a separate PEFT layer type"),
-    "target_parameters": (
-        "merge",
-        "LoRA on raw parameters (MoE experts) is merged per expert; no engine serves it",
-    ),
-    "megatron_config": ("refused", "Megatron-parallel LoRA layers are not walked"),
-    "use_qalora": ("refused", "quantization-aware LoRA needs the quantized base"),
-    "alora_invocation_tokens": (
-        "refused",
-        "activated LoRA depends on the prompt, not only the weights",
-    ),
-    "velora_config": ("refused", "VeLoRA changes the layer"),
-    "monteclora_config": ("refused", "MonteCLoRA samples its adapter"),
-    "arrow_config": ("refused", "Arrow routes between adapters per token"),
-    "kasa_config": ("refused", "KaSA changes the layer"),
-    "use_bdlora": ("refused", "block-diagonal LoRA is a different layer"),
-    "ensure_weight_tying": ("refused", "tied trainable copies are untested"),
-    # Only read when their option above is set.
-    "megatron_core": ("inert", "only read with megatron_config"),
-    "qalora_group_size": ("inert", "only read with use_qalora"),
+    name: (cast("Handling", handling), why)
+    for name, handling, why in (
+        line.split(None, 2) for line in _TABLE.splitlines() if line and not line.startswith("#")
+    )
 }
 
 #: init_lora_weights values that overwrite the base weights when the adapter is created.
@@ -310,9 +306,9 @@ TESTED_BY: dict[str, str] = {
     "rank_pattern": "tests/test_exact_or_refused_vllm.py::test_scale_options_served_exactly",
     "alpha_pattern": "tests/test_exact_or_refused_vllm.py::test_scale_options_served_exactly",
     "modules_to_save": "tests/test_reliability.py::test_untied_head_as_modules_to_save_reaches_a_lora_engine",
-    "fan_in_fan_out": "tests/test_stream.py::test_gpt2_conv1d_fan_in_fan_out (merge, trainer side)",
-    "bias": "tests/test_stream.py::test_merged_equals_peft_merge_and_trainer_untouched[bias=all+alpha_pattern]",
-    "lora_bias": "tests/test_stream.py (lora_bias, merged); tests/test_exact_or_refused_vllm.py::test_lora_bias_on_layers_without_a_bias_is_refused",
+    "fan_in_fan_out": "tests/test_tensors.py::test_gpt2_conv1d_fan_in_fan_out (merge, trainer side)",
+    "bias": "tests/test_tensors.py::test_merged_equals_peft_merge_and_trainer_untouched[bias=all+alpha_pattern]",
+    "lora_bias": "tests/test_tensors.py (lora_bias, merged); tests/test_exact_or_refused_vllm.py::test_lora_bias_on_layers_without_a_bias_is_refused",
     "init_lora_weights": "tests/test_exact_or_refused_vllm.py::test_base_rewriting_init_through_all_three_lora_paths (pissa, olora)",
     "use_dora": "tests/test_exact_or_refused_vllm.py::test_dora_refused_with_zero_writes",
     "target_parameters": "tests/test_moe_vllm.py (LoRA on the experts, merged)",

@@ -26,10 +26,12 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
+from ..plan import Adapter, Weight, numel
+from ..wire.layout import checkpoint_layout
 from . import peft_support
-from .convert import checkpoint_layout, lora_parameters, merged_parameter, to_checkpoint
-from .errors import UnsupportedModelError
-from .plan import Adapter, Tensor, numel
+from .gather import full, summed
+from .layout import lora_parameters, merged_parameter, to_checkpoint
 
 if TYPE_CHECKING:
     # peft is untyped for mypy (skipped: Any); the names say what the code duck-types on.
@@ -56,7 +58,7 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def _is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
+def is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
     from peft import PeftModel
 
     return isinstance(uncompiled(model), PeftModel)
@@ -66,19 +68,13 @@ def inner_model(model: nn.Module) -> nn.Module:
     """The transformers model under any PEFT wrapper or ``torch.compile`` (its names are
     checkpoint names)."""
     model = uncompiled(model)
-    return uncompiled(model.get_base_model()) if _is_peft(model) else model
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor. A sharded parameter (an FSDP2 ``DTensor``) is gathered: a collective
-    every rank must make, in the same order (`weightsync.distributed` sees to that)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return uncompiled(model.get_base_model()) if is_peft(model) else model
 
 
 def _plain(t: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     # .detach() shares storage: with a matching dtype the engine reads the trainer's memory
     # directly and nothing is copied on this side.
-    return lambda dtype: _full(t.detach()).to(dtype)
+    return lambda dtype: full(t.detach()).to(dtype)
 
 
 def _lora_delta(layer: LoraLayer, adapter: str) -> torch.Tensor:
@@ -89,25 +85,18 @@ def _lora_delta(layer: LoraLayer, adapter: str) -> torch.Tensor:
     """
     scale = layer.scaling[adapter]
     if adapter in layer.lora_A:
-        a = _full(layer.lora_A[adapter].weight.detach()).float()
-        b = _full(layer.lora_B[adapter].weight.detach()).float()
+        a = full(layer.lora_A[adapter].weight.detach()).float()
+        b = full(layer.lora_B[adapter].weight.detach()).float()
         delta = (b @ a) * scale
         return delta.T if layer.fan_in_fan_out else delta
-    a = _full(layer.lora_embedding_A[adapter].detach()).float()
-    b = _full(layer.lora_embedding_B[adapter].detach()).float()
+    a = full(layer.lora_embedding_A[adapter].detach()).float()
+    b = full(layer.lora_embedding_B[adapter].detach()).float()
     return (b @ a).T * scale
 
 
 def _merged_weight(layer: LoraLayer, weight: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     adapters = [a for a in layer.active_adapters if a in layer.scaling]
-
-    def produce(dtype: torch.dtype) -> torch.Tensor:
-        out = _full(weight.detach()).float()
-        for adapter in adapters:
-            out = out + _lora_delta(layer, adapter).to(out.device)
-        return out.to(dtype)
-
-    return produce
+    return summed(weight, lambda: (_lora_delta(layer, a) for a in adapters))
 
 
 def _merge_inputs(layer: LoraLayer, base: torch.Tensor) -> tuple[torch.Tensor | float, ...]:
@@ -124,14 +113,10 @@ def _merge_inputs(layer: LoraLayer, base: torch.Tensor) -> tuple[torch.Tensor | 
 
 def _merged_bias(layer: LoraLayer, bias: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     adapters = [a for a in layer.active_adapters if getattr(layer, "lora_bias", {}).get(a)]
-
-    def produce(dtype: torch.dtype) -> torch.Tensor:
-        out = _full(bias.detach()).float()
-        for a in adapters:
-            out = out + _full(layer.lora_B[a].bias.detach()).float() * layer.scaling[a]
-        return out.to(dtype)
-
-    return produce
+    return summed(
+        bias,
+        lambda: (full(layer.lora_B[a].bias.detach()).float() * layer.scaling[a] for a in adapters),
+    )
 
 
 def _require_floating(name: str, p: torch.Tensor) -> None:
@@ -142,7 +127,7 @@ def _require_floating(name: str, p: torch.Tensor) -> None:
         )
 
 
-def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> None:
+def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Weight]) -> None:
     """Append every weight below ``module`` to ``out``, under its checkpoint name."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
@@ -166,10 +151,10 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
             _require_floating(prefix + pname, p)
             if pname in wrapped:
                 merged = merged_parameter(wrapped[pname], p, prefix + pname)
-                out.append(Tensor(prefix + pname, tuple(p.shape), merged, True, id(p)))
+                out.append(Weight(prefix + pname, tuple(p.shape), merged, True, id(p)))
             elif merging and pname == "weight":
                 out.append(
-                    Tensor(
+                    Weight(
                         prefix + pname,
                         tuple(p.shape),
                         _merged_weight(module, p),
@@ -180,7 +165,7 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
                 )
             elif merging and pname == "bias" and has_lora_bias:
                 out.append(
-                    Tensor(
+                    Weight(
                         prefix + pname,
                         tuple(p.shape),
                         _merged_bias(module, p),
@@ -191,7 +176,7 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
                 )
             else:
                 out.append(
-                    Tensor(
+                    Weight(
                         prefix + pname,
                         tuple(p.shape),
                         _plain(p),
@@ -204,7 +189,7 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
     for pname, p in module.named_parameters(recurse=False):
         _require_floating(prefix + pname, p)
         out.append(
-            Tensor(
+            Weight(
                 prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)
             )
         )
@@ -214,7 +199,7 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Tensor]) -> Non
 
 def base_tensors(
     model: nn.Module, *, merge_lora: bool, expected: Mapping[str, tuple[int, ...]] | None = None
-) -> list[Tensor]:
+) -> list[Weight]:
     """Every base weight of ``model`` under its checkpoint name, in module (= layer) order.
 
     Args:
@@ -226,16 +211,16 @@ def base_tensors(
             its first name when the engine expects none of them (so the mismatch is reported).
     """
     model = uncompiled(model)
-    if _is_peft(model):  # refuse what the walk would not reproduce (DoRA, unknown layers, ...)
+    if is_peft(model):  # refuse what the walk would not reproduce (DoRA, unknown layers, ...)
         peft_support.check(model, "merge" if merge_lora else "serve")
-    found: list[Tensor] = []
+    found: list[Weight] = []
     _walk(inner_model(model), "", merge_lora, found)
     # In-memory layout -> checkpoint layout (fused MoE experts -> one tensor per expert)
     found = to_checkpoint(found, checkpoint_layout(inner_model(model)))
-    by_param: dict[int, list[Tensor]] = {}
+    by_param: dict[int, list[Weight]] = {}
     for t in found:
         by_param.setdefault(t.source, []).append(t)
-    result: list[Tensor] = []
+    result: list[Weight] = []
     for names in by_param.values():
         wanted = [t for t in names if expected is not None and t.name in expected] or names[:1]
         if len({t.merged for t in names}) > 1 and len(wanted) < len(names):
@@ -252,7 +237,7 @@ def base_tensors(
     return result
 
 
-def trained_copies(model: nn.Module) -> list[Tensor]:
+def trained_copies(model: nn.Module) -> list[Weight]:
     """The weights of PEFT ``modules_to_save`` copies (e.g. a trained ``lm_head``).
 
     They are full weights, not adapter factors: an engine serving the adapter holds them as base
@@ -260,13 +245,13 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
     """
     from peft.utils import ModulesToSaveWrapper
 
-    out: list[Tensor] = []
+    out: list[Weight] = []
     for name, module in _modules_of_type(inner_model(model), ModulesToSaveWrapper):
         if not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
                 out.append(
-                    Tensor(
+                    Weight(
                         f"{name}.{pname}",
                         tuple(p.shape),
                         _plain(p),
@@ -281,8 +266,8 @@ def trained_copies(model: nn.Module) -> list[Tensor]:
 def _modules_of_type(root: nn.Module, kind: type) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each module of type ``kind`` below ``root``, in
     ``named_modules()`` order and under its first name, without descending into a match.
-    Half the cost of ``named_modules()`` on a 0.5B PEFT model (1 ms vs 2): it runs on every
-    adapter sync, whose budget is a few tens of milliseconds."""
+    Cheaper than ``named_modules()``, which builds every name: it runs on every adapter sync,
+    whose whole budget is small (docs/benchmarks.md)."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
@@ -306,7 +291,7 @@ _LAYER = re.compile(r"\.(\d+)\.")
 
 
 def buckets(
-    tensors: list[Tensor], dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    tensors: list[Weight], dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Materialise ``tensors`` a bucket at a time, keeping their order.
 
@@ -317,7 +302,7 @@ def buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    current: list[Tensor] = []
+    current: list[Weight] = []
     size = 0
     for t in tensors:
         nbytes = itemsize * numel(t.shape)
@@ -331,8 +316,8 @@ def buckets(
 
 
 # The adapter's parameters are found by walking the whole model, which costs more than writing
-# the adapter (measured: 67 ms of a 95 ms AdapterSync on a 0.5B model with peft's
-# get_peft_model_state_dict). So the walk is done once per model and adapter, and what is kept
+# the adapter (with peft's get_peft_model_state_dict it was most of an AdapterSync; see
+# docs/benchmarks.md). So the walk is done once per model and adapter, and what is kept
 # is where each factor lives (module path, attribute), never the parameter object: a parameter
 # replaced since (``load_state_dict(..., assign=True)``, an optimizer that swaps tensors) is
 # read where it is now. Resolving a path costs a few attribute lookups.
@@ -342,7 +327,7 @@ _ADAPTER_PARAMETERS: WeakKeyDictionary[nn.Module, dict[str, list[tuple[str, ...]
 )
 
 
-def _file_key(parameter: str, adapter: str) -> str | None:
+def file_key(parameter: str, adapter: str) -> str | None:
     """The key ``get_peft_model_state_dict`` gives the LoRA parameter ``parameter`` of adapter
     ``adapter``, or None when it is not one of that adapter's factors.
 
@@ -367,7 +352,7 @@ def _adapter_parameters(model: nn.Module, name: str) -> list[tuple[str, torch.Te
         per_model[name] = [
             (key, *n.rsplit(".", 1))
             for n, _ in model.named_parameters()
-            if (key := _file_key(n, name)) is not None
+            if (key := file_key(n, name)) is not None
         ]
     module = _resolver(model)
     return [(key, getattr(module(path), attr).detach()) for key, path, attr in per_model[name]]
@@ -376,8 +361,8 @@ def _adapter_parameters(model: nn.Module, name: str) -> list[tuple[str, torch.Te
 def _resolver(model: nn.Module) -> Callable[[str], nn.Module]:
     """``path -> model.get_submodule(path)``, through the modules' own child dicts, each prefix
     resolved once per resolver: ``get_submodule`` walks from the root through ``__getattr__``
-    for every path, which was 7 of the ~15 ms of an AdapterSync plan on a 0.5B model (336
-    factors, ~10 levels deep each). Paths come from ``named_parameters`` names, so every
+    for every path, which was about half of an AdapterSync's plan on a 0.5B model (hundreds of
+    factors, each about ten levels deep). Paths come from ``named_parameters`` names, so every
     prefix is a registered child."""
     found: dict[str, nn.Module] = {"": model}
 
@@ -402,7 +387,7 @@ def adapter(model: nn.Module) -> Adapter:
             exactly (see `weightsync.peft_support.check`).
     """
     model = uncompiled(model)
-    if not _is_peft(model):
+    if not is_peft(model):
         raise UnsupportedModelError(
             f"an adapter sync needs a peft.PeftModel, got {type(model).__name__}; "
             "with train_type='full' use FullSync"

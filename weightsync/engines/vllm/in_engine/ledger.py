@@ -76,7 +76,7 @@ class Ledger:
         return {"boot": self.boot, "epoch": self.epoch, "asleep": sorted(self.asleep), "harm": harm}
 
 
-def _worker(obj: Any) -> Any:
+def worker_of(obj: Any) -> Any:
     """The vLLM worker behind ``obj`` (a ``collective_rpc`` callable receives vLLM's wrapper)."""
     return getattr(obj, "worker", None) or obj
 
@@ -141,7 +141,7 @@ def attest(obj: Any, since: list[list[Any]] | None = None, asleep: bool = False)
 
     A ``collective_rpc`` target: ``since`` holds one ``[boot, epoch]`` per worker rank, or
     None. The worker extension exposes it as ``weightsync_attest``."""
-    worker = _worker(obj)
+    worker = worker_of(obj)
     ledger = getattr(worker, "_weightsync_ledger", None)
     if ledger is None:
         ledger = _install(worker, asleep)

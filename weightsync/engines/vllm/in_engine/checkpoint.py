@@ -2,7 +2,7 @@
 
 The contract a sync is checked against is what the engine actually loads. Its names come from
 the model the engine's config builds (transformers, on the meta device: no memory), in
-checkpoint layout (`weightsync.convert.checkpoint_shapes`): a checkpoint entry that is not a
+checkpoint layout (`weightsync.wire.layout.checkpoint_shapes`): a checkpoint entry that is not a
 parameter or persistent buffer of that model is not a weight the engine loads (vLLM's loaders
 skip ``rotary_emb.inv_freq`` buffers of older exports), and an engine that read no files at all
 (``load_format="dummy"``: random weights, the first sync fills them) has a contract all the same.
@@ -17,11 +17,13 @@ from __future__ import annotations
 import copy
 import glob
 import os
-from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from ....wire import format as fmt
+from ....wire.layout import checkpoint_shapes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel  # untyped for mypy (transformers is skipped): Any
@@ -119,55 +121,10 @@ def loaded_shapes(model: nn.Module, files: list[str] | None) -> dict[str, tuple[
     also weights of ``model`` in checkpoint layout, with the files' shapes: an entry the model
     does not have (a non-persistent buffer such as ``rotary_emb.inv_freq``) is skipped by vLLM's
     loader too, and a tied name the files lack (``lm_head`` stored once) is added by the caller
-    from the names the engine registers (``worker.tied_weights``). Without files, the weights
+    from the names the engine registers (``model_ops.fold_tied``). Without files, the weights
     are the model's checkpoint layout itself.
     """
-    from ...convert import checkpoint_shapes
-
     layout = checkpoint_shapes(model)
     if files is None:
         return layout
-    return {name: shape for name, shape in shapes(files).items() if name in layout}
-
-
-def shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in ``files`` (headers only)."""
-    from safetensors import safe_open
-
-    out: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            for key in h.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
-                out[key] = tuple(h.get_slice(key).get_shape())
-    return out
-
-
-def heads(files: list[str], names: list[str]) -> dict[str, torch.Tensor]:
-    """The first row (first elements of a 1-D tensor) of each named tensor found in ``files``."""
-    from safetensors import safe_open
-
-    wanted, out = set(names), {}
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            for key in wanted.intersection(h.keys()):
-                out[key] = (
-                    h.get_slice(key)[0]
-                    if len(h.get_slice(key).get_shape()) > 1
-                    else h.get_slice(key)[:]
-                )
-    return out
-
-
-def read_with_twins(
-    files: list[str], twins: Mapping[str, list[str]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of ``files``, a tied tensor also under each of its twins' names."""
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            for key in h.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
-                tensor = h.get_tensor(key)
-                yield key, tensor
-                for twin in twins.get(key, ()):
-                    yield twin, tensor
+    return {name: shape for name, shape in fmt.shapes(files).items() if name in layout}

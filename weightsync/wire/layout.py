@@ -1,34 +1,30 @@
-"""From the trainer's in-memory parameters to the tensors a checkpoint holds, lazily.
+"""Checkpoint names and shapes of a transformers model, from transformers' own conversion rules.
 
-transformers 5 holds some weights in a different layout than its checkpoints (and vLLM) store
-them: a MoE layer keeps its experts fused (``mlp.experts.gate_up_proj`` of shape [E, 2I, H])
-where the checkpoint has one tensor per expert and projection
+Every byte weightsync sends travels under a *checkpoint* name (what ``save_pretrained`` writes,
+what vLLM's loaders take), and both sides need to know them: the trainer to name its tensors,
+the engine to learn what it loads. transformers 5 holds some weights in another layout than its
+checkpoints store them: a MoE layer keeps its experts fused (``mlp.experts.gate_up_proj`` of
+shape [E, 2I, H]) where the checkpoint has one tensor per expert and projection
 (``mlp.experts.0.gate_proj.weight``, or ``block_sparse_moe.experts.0.w1.weight`` for Mixtral).
-The engine loads checkpoint names, so the stream must send those.
 
 The translation is transformers' own: the conversion rules ``from_pretrained`` applied to the
 checkpoint (``transformers.conversion_mapping``), reversed the way ``save_pretrained`` reverses
 them (``transformers.core_model_loading.revert_weight_conversion``). A model family transformers
 converts therefore syncs without any code here; a model without rules passes through unchanged.
 
-Nothing is materialised while planning: the rules run once per parameter on a ``meta`` tensor,
-which yields every checkpoint name and shape. When a checkpoint tensor is a view of the fused
-parameter (as in Qwen3-MoE and Mixtral: expert ``e``'s gate projection is
-``gate_up_proj[e, :I]``), it is taken as that view of the trainer's memory, so a sync in the
-trainer's dtype copies nothing.
-Otherwise (an op that permutes or concatenates) transformers' ops run on the real tensor, once
-per parameter, when the stream reaches it.
-
-It also merges LoRA on parameters peft wraps directly (``LoraConfig(target_parameters=...)``,
-the way peft adapts fused experts): out of place, in float32, the fused result then split as
-above.
+Nothing is materialised: the rules run once per parameter on a ``meta`` tensor, which yields
+every checkpoint name and shape. When a checkpoint tensor is a view of the fused parameter (as
+in Qwen3-MoE and Mixtral: expert ``e``'s gate projection is ``gate_up_proj[e, :I]``), it is
+taken as that view (`Piece.view`), so a sync in the trainer's dtype copies nothing; otherwise
+(an op that permutes or concatenates) transformers' ops run on the real tensor, once per
+parameter, when the stream reaches it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from copy import deepcopy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -36,8 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import UnsupportedModelError
-from .plan import Tensor
+from ..errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -141,8 +136,8 @@ class Layout:
         return {key: t[0] if isinstance(t, list) else t for key, t in out.items()}
 
 
-# Planning a layout runs every fused parameter's conversion on a meta tensor (about 0.5 s for a
-# 48-layer, 128-expert model); a model keeps its layout, so that is done once per model.
+# Planning a layout runs every fused parameter's conversion on a meta tensor (noticeable for a
+# large MoE model); a model keeps its layout, so that is done once per model.
 _LAYOUTS: WeakKeyDictionary[nn.Module, Layout] = WeakKeyDictionary()
 
 
@@ -202,64 +197,6 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def to_checkpoint(tensors: list[Tensor], layout: Layout) -> list[Tensor]:
-    """``tensors`` (in-memory names) as the checkpoint tensors the engine loads, in order.
-
-    A parameter saved as several checkpoint tensors is materialised once, when the stream
-    reaches its first piece, and kept until every piece was produced (its pieces are adjacent,
-    so that is at most one parameter at a time). Each piece gets its own ``source``: pieces of
-    one parameter are different tensors, not tied twins.
-    """
-    if layout.is_identity:
-        return tensors
-    out: list[Tensor] = []
-    for t in tensors:
-        pieces = layout.split(t.name, t.shape)
-        if pieces is None:
-            out.append(t)
-            continue
-        full = _Shared(t.produce, len(pieces))
-        for i, piece in enumerate(pieces):
-            # A view of a tensor the trainer holds is held too (produce(held) reads it in
-            # place); everything else (merged, inputs) is the parameter's.
-            out.append(
-                replace(
-                    t,
-                    name=piece.name,
-                    shape=piece.shape,
-                    produce=full.piece(i, piece.take),
-                    source=hash((t.source, i)),
-                    held=t.held if piece.view else None,
-                )
-            )
-    return out
-
-
-class _Shared:
-    """One materialisation of a parameter shared by its pieces, released after the last one."""
-
-    def __init__(self, produce: Callable[[torch.dtype], torch.Tensor], count: int) -> None:
-        self._produce = produce
-        self._count = count
-        self._full: torch.Tensor | None = None
-        self._dtype: torch.dtype | None = None
-        self._done: set[int] = set()
-
-    def piece(
-        self, i: int, take: Callable[[torch.Tensor], torch.Tensor]
-    ) -> Callable[[torch.dtype], torch.Tensor]:
-        def produce(dtype: torch.dtype) -> torch.Tensor:
-            if self._full is None or self._dtype != dtype:
-                self._full, self._dtype, self._done = self._produce(dtype), dtype, set()
-            out = take(self._full)
-            self._done.add(i)
-            if len(self._done) == self._count:
-                self._full = None
-            return out
-
-        return produce
-
-
 class _Memo:
     """Run ``convert`` once per full tensor and hand out its outputs by name."""
 
@@ -288,75 +225,3 @@ def _strided(
         return full.as_strided(shape, stride, full.storage_offset() + offset)
 
     return take
-
-
-# --- LoRA on parameters (peft ``target_parameters``: fused experts) ---------------------------
-
-
-def lora_parameters(layer: Any) -> dict[str, Any]:
-    """{parameter name: the peft ``ParamWrapper`` adapting it} along ``layer``'s wrapper chain.
-
-    peft adapts a bare parameter (fused experts have no ``nn.Linear``) with a ``ParamWrapper``;
-    several parameters of one module are wrapped in a chain, outermost first.
-    """
-    from peft.tuners.lora.layer import ParamWrapper
-
-    found: dict[str, Any] = {}
-    while isinstance(layer, ParamWrapper):
-        found[layer.parameter_name] = layer
-        layer = layer.base_layer
-    return found
-
-
-def merged_parameter(
-    wrapper: Any, param: torch.Tensor, name: str
-) -> Callable[[torch.dtype], torch.Tensor]:
-    """``param + scale * B @ A`` for every active adapter of ``wrapper``, per expert, in float32.
-
-    The same math as peft's ``ParamWrapper.get_delta_weight`` (checked against peft's own merge
-    in the tests), but in float32 and out of place: the trainer's weights are never touched.
-
-    Raises:
-        UnsupportedModelError: the delta's shape does not match the parameter (a layout this
-            code does not know); checked now, on meta tensors, before anything is written.
-    """
-    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-    for a in adapters:
-        meta = _param_delta(wrapper, a, device="meta")
-        if tuple(meta.shape) != tuple(param.shape):
-            raise UnsupportedModelError(
-                f"LoRA on parameter {name} (LoraConfig(target_parameters=...)) has a delta of "
-                f"shape {list(meta.shape)} for a parameter of shape {list(param.shape)}; "
-                "weightsync cannot merge it. Serve the adapter unmerged or target modules instead."
-            )
-
-    def produce(dtype: torch.dtype) -> torch.Tensor:
-        from .stream import _full  # gathers an FSDP2-sharded tensor
-
-        out = _full(param.detach()).float()
-        for a in adapters:
-            out = out + _param_delta(wrapper, a).to(out.device)
-        return out.to(dtype)
-
-    return produce
-
-
-def _param_delta(wrapper: Any, adapter: str, device: str | None = None) -> torch.Tensor:
-    from .stream import _full  # gathers an FSDP2-sharded tensor
-
-    a = wrapper.lora_A[adapter].weight.detach()
-    b = wrapper.lora_B[adapter].weight.detach()
-    if device == "meta":  # shapes only (the global shapes of sharded factors)
-        a, b = torch.empty(a.shape, device="meta"), torch.empty(b.shape, device="meta")
-    else:
-        a, b = _full(a), _full(b)
-    a, b = a.float(), b.float()
-    scale = wrapper.scaling[adapter]
-    experts = wrapper.num_experts
-    if experts == 1:  # a 2-d parameter: the plain linear delta (peft refuses fan_in_fan_out)
-        return (b @ a) * scale
-    a = a.reshape(experts, -1, a.shape[-1])  # (experts, rank, in)
-    b = b.reshape(b.shape[0], -1, experts)  # (out, rank, experts)
-    # peft stores (experts, in, out) unless the module holds its experts as (experts, out, in)
-    order = "e o i" if wrapper._did_swap_in_out_features else "e i o"
-    return torch.einsum(f"o r e, e r i -> {order}", b, a) * scale

@@ -7,9 +7,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 
-from weightsync import plan, stream
+from weightsync import plan
 from weightsync.errors import UnsupportedModelError
 from weightsync.testing import perturb, save_checkpoint, tiny_model
+from weightsync.trainer import tensors as stream
 
 
 def checkpoint_names(model, tmp_path):

@@ -1,0 +1,367 @@
+"""Control planes: the calls a weightsync engine makes into a vLLM engine besides moving bytes.
+
+Pause and resume, prefix-cache reset, adapter load and unload by name, generation and prompt
+logprobs (for verification), sleep and wake, and ``collective_rpc`` into the worker extension,
+whose ledger `attestation` reads.
+`HTTPControl` makes them on a ``vllm serve`` server, `LLMControl` on a multiprocess
+``vllm.LLM``; `greedy_generate` and `score_prompts` are the ``LLM`` calls both the in-process
+and the multiprocess engine use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator
+from typing import Any, cast
+
+from ...errors import EngineUnavailableError
+from ..base import Attestation
+
+#: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
+WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
+
+
+def greedy_generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int, lora_request: Any
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy-decode ``max_tokens`` for each prompt on a ``vllm.LLM`` (in or out of process),
+    in one call; the tokens and their logprobs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        params,
+        lora_request=lora_request,
+        use_tqdm=False,
+    )
+    results = []
+    for out in outputs:
+        tokens = list(out.outputs[0].token_ids)
+        logprobs = [
+            step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
+        ]
+        results.append((tokens, logprobs))
+    return results
+
+
+def score_prompts(
+    llm: Any, prompts: list[list[int]], top_k: int, lora_request: Any
+) -> list[list[dict[int, float]]]:
+    """For each prompt, each position after the first: the logprobs vLLM gives the prompt's
+    token and its ``top_k`` most likely tokens (``prompt_logprobs``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is computed
+    # under the weights served now. One token is generated because vLLM must.
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+    # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not per
+    # prompt position: two prompts in one batch with prompt_logprobs fail ("einsum(): subscript b
+    # has size 2 ... 63"). One prompt per call is exact.
+    lora_enabled = llm.llm_engine.vllm_config.lora_config is not None
+    groups = [[p] for p in prompts] if lora_enabled else [prompts]
+    outputs = [
+        out
+        for group in groups
+        for out in llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in group],
+            params,
+            lora_request=lora_request,
+            use_tqdm=False,
+        )
+    ]
+    return [
+        [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
+        for out in outputs
+    ]
+
+
+def attestation(reports: list[dict[str, Any]]) -> Attestation:
+    """The engine's attestation from its workers' ledger reports (one per rank, see
+    ``in_engine/ledger.py``): its epoch is every rank's (boot, epoch), its harm the worst."""
+    return Attestation(
+        epoch=tuple((r["boot"], int(r["epoch"])) for r in reports),
+        asleep=frozenset(tag for r in reports for tag in r["asleep"]),
+        harm=max(int(r["harm"]) for r in reports),
+    )
+
+
+def since_arg(epoch: Hashable | None) -> list[list[Any]] | None:
+    """An attested vLLM epoch as the workers' ``since`` argument (JSON: lists)."""
+    return None if epoch is None else [list(rank) for rank in cast("tuple", epoch)]
+
+
+def _token_id(key: str) -> int:
+    """A logprobs key of a server without a tokenizer: ``"123"`` or ``"token_id:123"``."""
+    return int(key.rsplit(":", 1)[-1])
+
+
+class Control(ABC):
+    """The calls a remote engine needs, whatever carries them."""
+
+    @abstractmethod
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker(-extension) method on every worker; their results in rank order."""
+
+    @abstractmethod
+    def pause(self) -> None: ...
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None: ...
+
+    @abstractmethod
+    def load_lora(self, name: str, path: str) -> None: ...
+
+    @abstractmethod
+    def unload_lora(self, name: str) -> None: ...
+
+    @abstractmethod
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        """Greedy-decode each prompt (with the adapter loaded under ``lora``, if given)."""
+
+    @abstractmethod
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
+        """Prompt logprobs (see `Engine.score_batch`), with the adapter under ``lora``."""
+
+    @abstractmethod
+    def is_sleeping(self) -> bool: ...
+
+    @abstractmethod
+    def sleep(self, level: int) -> None: ...
+
+    @abstractmethod
+    def wake_up(self, tags: list[str] | None) -> None: ...
+
+
+class HTTPControl(Control):
+    """A ``vllm serve`` server started with ``VLLM_SERVER_DEV_MODE=1`` (the ``/collective_rpc``,
+    ``/pause``, ``/sleep`` routes), ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` if it serves LoRA,
+    and ``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker``."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        import requests
+
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._requests = requests
+        self._session = requests.Session()
+        self.model = self._call("GET", "/v1/models")["data"][0]["id"]
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One HTTP call; its JSON (or text) answer.
+
+        Raises:
+            EngineUnavailableError: the server refuses the connection, resets it twice, or does
+                not answer within ``timeout_s`` (a server that is gone, restarting, or hung).
+            RuntimeError: the server answered with an HTTP error.
+        """
+        try:
+            try:
+                r = self._session.request(
+                    method, self.base_url + path, timeout=self.timeout_s, **kwargs
+                )
+            except self._requests.ConnectionError:
+                # A keep-alive connection the server reset after an error: retry once, fresh.
+                self._session = self._requests.Session()
+                r = self._session.request(
+                    method, self.base_url + path, timeout=self.timeout_s, **kwargs
+                )
+        except (self._requests.ConnectionError, self._requests.Timeout) as err:
+            self._session = self._requests.Session()
+            timed_out = isinstance(err, self._requests.Timeout)
+            state = (
+                f"no answer within {self.timeout_s:g} s; the server is hung or overloaded"
+                if timed_out
+                else "connection refused; the server is gone or restarting"
+            )
+            raise EngineUnavailableError(
+                f"the vLLM server at {self.base_url} does not answer ({method} {path}): {state}. "
+                f"Nothing more was sent to it. ({type(err).__name__}: {err})"
+            ) from err
+        if r.status_code >= 400:
+            self._session = self._requests.Session()
+            raise RuntimeError(
+                f"{method} {self.base_url}{path} -> HTTP {r.status_code}: {r.text[:2000]}"
+            )
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return r.text  # the LoRA routes answer in plain text
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's ``VllmConfig`` as JSON (dev mode)."""
+        return self._call("GET", "/server_info", params={"config_format": "json"})["vllm_config"]
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        body = {"method": method, "kwargs": kwargs or {}}
+        return (self._call("POST", "/collective_rpc", json=body) or {}).get("results", [])
+
+    def pause(self) -> None:
+        self._call("POST", "/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    def load_lora(self, name: str, path: str) -> None:
+        # Never load_inplace over HTTP: the server then re-reads the adapter from disk on every
+        # decode step, and deleting its folder kills the server (measured, vLLM 0.32).
+        self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    def unload_lora(self, name: str) -> None:
+        loaded = [m["id"] for m in self._call("GET", "/v1/models")["data"]]
+        if name in loaded:  # loaded by us, or by an earlier client of this server
+            self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        body = {
+            "model": lora or self.model,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        choices = sorted(
+            self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"]
+        )
+        return [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
+
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
+        body = {
+            "model": lora or self.model,
+            "prompt": [list(p) for p in prompts],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": top_k,
+            "return_tokens_as_token_ids": True,
+        }
+        choices = sorted(
+            self._call("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"]
+        )
+        return [
+            [
+                {_token_id(k): v["logprob"] for k, v in pos.items()}
+                for pos in c["prompt_logprobs"][1:]
+            ]
+            for c in choices
+        ]
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+
+    def sleep(self, level: int) -> None:
+        self._call("POST", "/sleep", params={"level": level, "mode": "keep"})
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._call("POST", "/wake_up", params=[("tags", t) for t in tags or []])
+
+
+class LLMControl(Control):
+    """A ``vllm.LLM`` with its default multiprocess engine core (any tensor parallel size),
+    created with ``worker_extension_cls=WORKER_EXTENSION``. Its ``generate`` is synchronous, so
+    no request is in flight while the trainer (the same thread) writes: pausing is not needed.
+
+    Every call raises `EngineUnavailableError` once the engine core died (vLLM's
+    ``EngineDeadError``): a dead core never comes back, the ``LLM`` must be created again."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._loras: dict[str, Any] = {}
+        self._next_id = 1
+
+    @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            yield
+        except EngineDeadError as err:
+            model = self.llm.llm_engine.vllm_config.model_config.model
+            raise EngineUnavailableError(
+                f"the multiprocess vLLM LLM on {model} does not answer: its engine core died "
+                f"({err}); create a new LLM (and a new engine adapter for it)"
+            ) from err
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        with self._answering():
+            return self.llm.collective_rpc(method, kwargs=kwargs or {})
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> None:
+        with self._answering():
+            self.llm.reset_prefix_cache()
+
+    def load_lora(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        with self._answering():
+            # A fresh id per version (the LLM's add_lora keeps an adapter already loaded under
+            # an id), never one another adapter of the LLM holds: loading under it would
+            # replace the user's own adapter (vLLM's usual example id is 1).
+            loaded = self.llm.llm_engine.list_loras()
+            while self._next_id in loaded:
+                self._next_id += 1
+            request = LoRARequest(name, self._next_id, path)
+            self._next_id += 1
+            self.llm.llm_engine.add_lora(request)
+        self._loras[name] = request
+
+    def unload_lora(self, name: str) -> None:
+        request = self._loras.pop(name, None)
+        if request is not None:
+            with self._answering():
+                self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        with self._answering():
+            return greedy_generate(
+                self.llm, prompts, max_tokens, self._loras[lora] if lora else None
+            )
+
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
+        with self._answering():
+            return score_prompts(self.llm, prompts, top_k, self._loras[lora] if lora else None)
+
+    def is_sleeping(self) -> bool:
+        with self._answering():
+            return bool(self.llm.llm_engine.is_sleeping())
+
+    def sleep(self, level: int) -> None:
+        with self._answering():
+            self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        with self._answering():
+            self.llm.wake_up(tags=tags)

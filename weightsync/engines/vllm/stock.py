@@ -1,0 +1,125 @@
+"""A stock ``vllm serve`` server: no weightsync worker extension, so no epoch of its own.
+
+Reached with ``transport="tmpfs"`` only. Its facts come from its dev-mode ``/server_info`` and
+the model folder it serves (`facts`), and bytes go through vLLM's own
+``reload_weights(weights_path=...)`` of a folder staged in RAM (every tied tensor under all its
+names: vLLM's reload restores ``lm_head`` apart from ``embed_tokens``). Every byte is written to
+tmpfs before the server is touched; but if vLLM's reload then fails, nothing can restore its
+unfinished layers, so the server is left paused (`broken`). With no ledger, its base counts as
+lost at every sync unless the caller owns it (``exclusive``, see ``remote.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ...errors import EngineBrokenError
+from ...wire import format as fmt
+from ...wire.protocol import EngineFacts, LoraLimits
+from .control import WORKER_EXTENSION, HTTPControl
+from .in_engine import checkpoint as ckpt
+from .in_engine.model_ops import fold_tied, tied_parameter_names
+from .transports import TmpfsTransport
+
+
+def facts(control: HTTPControl) -> EngineFacts:
+    """The facts of a server without the worker extension: dtype, LoRA limit and world size
+    from its ``/server_info`` (dev mode); names and shapes those of the transformers model its
+    config builds (on the meta device, no memory) as the files vLLM's loader picks from the
+    folder it serves hold them (``checkpoint.loaded_shapes``); tied names from that model.
+
+    Refused: an MoE model on vLLM-CPU (its reload skips the expert re-pack, which only the
+    worker extension redoes: wrong outputs after any reload)."""
+    from transformers import AutoConfig
+    from vllm.config import LoadConfig
+
+    info = control.server_info()
+    model_config, load = info["model_config"], info["load_config"]
+    load_config = LoadConfig(
+        load_format=load["load_format"], ignore_patterns=load["ignore_patterns"]
+    )
+    if not ckpt.loads_files(load_config):
+        raise ValueError(
+            f"this server was started with --load-format {load['load_format']} (weights it did "
+            "not read from files), and without weightsync's worker extension its weights can "
+            "only be written through vLLM's reload from disk, which that loader cannot do; start "
+            f"it with --worker-extension-cls {WORKER_EXTENSION}"
+        )
+    folder = ckpt.local_folder(model_config["model"], model_config.get("revision"))
+    trust = model_config["trust_remote_code"]
+    model = ckpt.config_model(AutoConfig.from_pretrained(folder, trust_remote_code=trust), trust)
+    files = ckpt.weight_files(folder, load_config)
+    shapes = dict(ckpt.loaded_shapes(model, files))
+    if info["device_config"]["device"] == "cpu" and any(".experts." in n for n in shapes):
+        raise ValueError(
+            "this MoE model runs on vLLM-CPU, whose reload_weights skips the experts' re-pack "
+            "(the server would compute wrong outputs after a sync); start the server with "
+            f"--worker-extension-cls {WORKER_EXTENSION}, which redoes it"
+        )
+    tied, _ = fold_tied(tied_parameter_names(model), shapes)
+    lora = None
+    if info["lora_config"] is not None:
+        # vLLM applies LoRA to its linear layers; the transformers model names the same ones.
+        # vLLM's own adapter validation has the last word when the adapter is loaded.
+        head = model.get_output_embeddings()
+        lora = LoraLimits(
+            max_rank=info["lora_config"]["max_lora_rank"],
+            modules=tuple(
+                sorted(
+                    {
+                        name.rsplit(".", 1)[-1]
+                        for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear) and m is not head
+                    }
+                )
+            ),
+        )
+    return EngineFacts(
+        dtype=str(model_config["dtype"]).removeprefix("torch."),
+        weights=shapes,
+        tied=tuple(tied),
+        lora=lora,
+        quantization=model_config.get("quantization"),
+        attests=False,
+        checkpoint=folder,
+        files=tuple(files),
+        world_size=info["parallel_config"]["world_size"],
+    )
+
+
+def stage_checkpoint(transport: TmpfsTransport, source: str, tied: list[tuple[str, ...]]) -> Path:
+    """A tmpfs folder that vLLM's ``reload_weights`` reads as the weights of ``source``
+    with every tied tensor under all its names: links to the files vLLM's loader picks
+    from ``source``, plus one file with the names ``source`` stores once (a tied checkpoint
+    reloaded as it is leaves lm_head stale)."""
+    from safetensors import safe_open
+    from vllm.config import LoadConfig
+
+    files = ckpt.weight_files(source, LoadConfig())
+    folder = transport.stage([])
+    for f in files:
+        (folder / os.path.basename(f)).symlink_to(os.path.abspath(f))
+    where = {name: f for f in files for name in fmt.shapes([f])}
+    extra: list[tuple[str, torch.Tensor]] = []
+    for group in tied:
+        stored = [n for n in group if n in where]
+        if stored:
+            with safe_open(where[stored[0]], framework="pt") as h:
+                tensor = h.get_tensor(stored[0])
+            extra += [(n, tensor) for n in group if n not in where]
+    if extra:
+        fmt.write(extra, folder / "weightsync-tied.safetensors", aliases=False)
+    return folder
+
+
+def broken(what: str, error: BaseException) -> EngineBrokenError:
+    """The error for a stock server whose own ``reload_weights`` failed part-way."""
+    return EngineBrokenError(
+        f"{what} failed in vLLM's own reload_weights ({error}); this server has no "
+        "weightsync worker extension, so its unfinished layers cannot be restored "
+        "and it is left paused. Restart it, and start it with --worker-extension-cls "
+        f"{WORKER_EXTENSION} to have failed writes recovered."
+    )

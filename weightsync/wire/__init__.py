@@ -1,0 +1,16 @@
+"""What travels between the trainer and an engine's own processes, imported by both sides.
+
+Code that vLLM loads into its workers (``weightsync/engines/vllm/in_engine/``) imports from here
+and from vLLM, never from the trainer side. Each module holds both halves of one thing:
+
+- ``format``: a bucket of named tensors as safetensors bytes (dtypes, tied names stored once as
+  aliases): the one writer and the one reader;
+- ``files``: buckets as files in a RAM folder, kept and rewritten in place between syncs (the
+  trainer writes, the worker maps);
+- ``gloo``: buckets broadcast over a gloo process group (trainer rank 0, workers 1..N), framed;
+- ``protocol``: the typed messages: the engine's facts, a worker's outcome, the weight-transfer
+  backend's payloads;
+- ``layout``: checkpoint names and shapes, from transformers' own conversion rules (the names
+  every byte travels under);
+- ``scratch``: the RAM folders files travel through, swept after a crash.
+"""

@@ -1,0 +1,180 @@
+"""The typed messages between the trainer and an engine's workers (JSON on the way).
+
+- `EngineFacts`: what an engine loads and serves, produced by every engine (read from the model
+  vLLM built, inside its workers, or from a stock server's config) and planned against;
+- `Outcome`: how a worker reports the result of a call, or its error. Workers return errors
+  instead of raising them (vLLM's multiprocess executor stops reading replies at the first
+  failed worker, so with TP>1 the other workers' replies would stay queued and answer the next
+  calls), and one outcome travels back whichever way the bytes came: an RPC's return value, a
+  result file, or a gloo all-gather. `raise_failures` reads them all;
+- `InitInfo`, `UpdateInfo`: the payloads of the ``"weightsync"`` weight-transfer backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    """What adapters an engine serving LoRA accepts.
+
+    Attributes:
+        max_rank: the engine's ``max_lora_rank``.
+        modules: the module names (last path component) it can apply LoRA to.
+    """
+
+    max_rank: int
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine loads and serves: the contract a sync is planned against.
+
+    Attributes:
+        dtype: the dtype the engine computes in (a torch dtype's name: ``"bfloat16"``).
+        weights: checkpoint name -> shape of every weight the engine loads.
+        tied: groups of names the engine holds as one tensor (tied embeddings).
+        lora: the adapters it serves (None: it serves none).
+        quantization: the engine's quantization method (None: unquantized).
+        attests: the engine keeps an epoch of its own (``ledger.py``); without one nothing it
+            holds may be skipped, and its base counts as lost at any time.
+        keeps_unsent_layers: a write that leaves layers out leaves them as they were (False on
+            vLLM-CPU MoE engines, which re-pack every MoE layer after any load).
+        checkpoint: the folder the engine was started from, on the engine's host.
+        files: the weight files vLLM's loader reads there (empty: none to reload).
+        world_size: how many workers the engine has.
+    """
+
+    dtype: str
+    weights: Mapping[str, tuple[int, ...]]
+    tied: tuple[tuple[str, ...], ...] = ()
+    lora: LoraLimits | None = None
+    quantization: str | None = None
+    attests: bool = True
+    keeps_unsent_layers: bool = True
+    checkpoint: str = ""
+    files: tuple[str, ...] = ()
+    world_size: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> EngineFacts:
+        lora = data.get("lora")
+        return cls(
+            dtype=data["dtype"],
+            weights={k: tuple(v) for k, v in data["weights"].items()},
+            tied=tuple(tuple(g) for g in data.get("tied", ())),
+            lora=LoraLimits(int(lora["max_rank"]), tuple(lora["modules"])) if lora else None,
+            quantization=data.get("quantization"),
+            attests=bool(data.get("attests", True)),
+            keeps_unsent_layers=bool(data.get("keeps_unsent_layers", True)),
+            checkpoint=data.get("checkpoint", ""),
+            files=tuple(data.get("files", ())),
+            world_size=int(data.get("world_size", 1)),
+        )
+
+
+#: Marks an RPC result as an `Outcome` (vLLM hands back whatever a worker method returns).
+_KIND = "weightsync.outcome"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One worker's result of one call.
+
+    Attributes:
+        error: what went wrong (``"TypeName: message"``), "" when the call succeeded.
+        rank: the worker's rank.
+        value: what the call returns on success (JSON: an adapter folder's path, ...).
+        exception: in process only (never sent): the exception itself, so that the caller
+            re-raises the original error, not a description of it.
+    """
+
+    error: str = ""
+    rank: int = 0
+    value: Any = None
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @classmethod
+    def failed(cls, error: BaseException | str, rank: int = 0) -> Outcome:
+        if isinstance(error, str):
+            return cls(error=error, rank=rank)
+        return cls(error=f"{type(error).__name__}: {error}", rank=rank, exception=error)
+
+    def to_json(self) -> dict[str, Any]:
+        return {_KIND: 1, "error": self.error, "rank": self.rank, "value": self.value}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Outcome:
+        """An outcome from an RPC result; a result that is none (a worker method returning
+        nothing, or a reply without the marker) is a success."""
+        if not isinstance(data, Mapping) or _KIND not in data:
+            return cls()
+        return cls(error=data.get("error", ""), rank=int(data.get("rank", 0)), value=data["value"])
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json()).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Outcome:
+        if not data:
+            return cls()
+        try:
+            return cls.from_json(json.loads(data.decode(errors="replace")))
+        except ValueError:  # cut at its size limit: the text is all there is
+            return cls(error=data.decode(errors="replace"))
+
+
+def raise_failures(what: str, outcomes: list[Outcome], *, hint: str = "") -> None:
+    """Raise ``RuntimeError`` naming every worker whose outcome is an error."""
+    errors = [f"worker {o.rank}: {o.error}" for o in outcomes if not o.ok]
+    if errors:
+        raise RuntimeError(f"{what} failed in the engine's workers{hint}: " + "; ".join(errors))
+
+
+@dataclass
+class InitInfo:
+    """``init_weight_transfer_engine`` payload of the ``"weightsync"`` backend.
+
+    Attributes:
+        host: gloo rendezvous address (the trainer's ``TCPStore``); empty for files only.
+        port: the rendezvous port.
+        world_size: the gloo group's size: 1 (the trainer) + every worker of the engine.
+        timeout_s: how long a gloo operation waits for a peer.
+        protocol: a field only this backend knows, so a server running another backend
+            rejects the init instead of misreading it.
+    """
+
+    host: str = ""
+    port: int = 0
+    world_size: int = 0
+    timeout_s: float = 300.0
+    protocol: int = 1
+
+
+@dataclass
+class UpdateInfo:
+    """``update_weights`` payload (one chunk) of the ``"weightsync"`` backend.
+
+    Attributes:
+        folder: the update's folder; workers write their outcome there at finish (files mode).
+        files: bucket files in ``folder`` to load now, in order.
+        gloo: load what the trainer broadcasts over the gloo group until its END frame.
+        abort: the trainer failed part-way (the reason): abandon this update.
+    """
+
+    folder: str = ""
+    files: list[str] = field(default_factory=list)
+    gloo: bool = False
+    abort: str = ""
