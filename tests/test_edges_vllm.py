@@ -17,7 +17,6 @@ started after the first was killed), one multiprocess ``LLM``; every process is 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -238,16 +237,10 @@ def test_engine_broken_error_survives_distributed_sync(inv_freq_engine, group):
 
 
 def kill(server: T.VLLMServer) -> None:
-    """SIGKILL the server's processes by PID (psutil handles: never a reused PID); a server
-    already killed stays so."""
-    try:
-        root = psutil.Process(server.proc.pid)
-        procs = [root, *root.children(True)]
-    except psutil.NoSuchProcess:
-        return
+    """SIGKILL the server's processes by PID (psutil handles: never a reused PID)."""
+    procs = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
     for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
+        p.send_signal(signal.SIGKILL)
     psutil.wait_procs(procs, timeout=30)
 
 
@@ -290,50 +283,57 @@ time.sleep(600)
 """
 
 
-def test_a_crash_leaves_no_scratch_folder_behind(dummy_server):
-    """Kill a trainer holding kept bucket files and a server holding the adapter folder its
-    worker wrote; the next weightsync start (any scratch folder made) sweeps both."""
+@pytest.fixture(scope="module")
+def killed(dummy_server):
+    """The dummy server killed while it held an adapter folder its worker wrote (over gloo),
+    with a trainer process killed while it held kept bucket files; and an engine adapter made
+    on the server before it died. Yields (that engine, the adapter folder, the kept folder)."""
     import subprocess
     import sys
 
-    engine = VLLMServerEngine(dummy_server.url, transport="gloo")
+    engine = VLLMServerEngine(dummy_server.url)
+    served = VLLMServerEngine(dummy_server.url, transport="gloo")
     trainer = subprocess.Popen(
         [sys.executable, "-c", KEPT_FILES_TRAINER], stdout=subprocess.PIPE, text=True
     )
     try:
-        FullSync(lora="separate").sync(lora_model(seed=24), engine)
-        assert engine.adapter_path is not None
-        adapters = Path(engine.adapter_path).parent  # the worker's scratch folder, its host's
-        assert adapters.name.startswith("weightsync-") and adapters.is_dir()
+        FullSync(lora="separate").sync(lora_model(seed=24), served)
+        assert served.adapter_path is not None
+        adapters = Path(served.adapter_path).parent  # the worker's scratch folder, its host's
         assert trainer.stdout is not None
         kept = Path(trainer.stdout.readline().strip())
-        assert (kept / "kept" / "bucket-00000.safetensors").is_file()
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         kill(dummy_server)
-        assert adapters.is_dir() and kept.is_dir()  # nobody removed them: both processes died
-        TmpfsTransport().close()  # the next weightsync start
-        assert not adapters.exists() and not kept.exists()
+        yield engine, adapters, kept
     finally:
         trainer.kill()
+        served.close()
         engine.close()
 
 
-def test_a_killed_server_raises_engine_unavailable(dummy_server, group):
-    engine = VLLMServerEngine(dummy_server.url)
+def test_a_crash_leaves_no_scratch_folder_behind(killed):
+    """Kill a trainer holding kept bucket files and a server holding the adapter folder its
+    worker wrote; the next weightsync start (any scratch folder made) sweeps both."""
+    _, adapters, kept = killed
+    assert adapters.name.startswith("weightsync-")
+    assert (kept / "kept" / "bucket-00000.safetensors").is_file()
+    assert adapters.is_dir() and kept.is_dir()  # nobody removed them: both processes died
+    TmpfsTransport().close()  # the next weightsync start
+    assert not adapters.exists() and not kept.exists()
+
+
+def test_a_killed_server_raises_engine_unavailable(killed, dummy_server, group):
+    engine, _, _ = killed
     model = T.tiny_model(ARCH, seed=21)
-    try:
-        kill(dummy_server)
-        with pytest.raises(EngineUnavailableError) as raised:
-            FullSync().sync(model, engine)
-        assert dummy_server.url in str(raised.value)
-        assert "connection refused; the server is gone or restarting" in str(raised.value)
-        with pytest.raises(EngineUnavailableError, match="rank 0: EngineUnavailableError"):
-            distributed.sync(FullSync(), model, engine, group=group)
-        with pytest.raises(EngineUnavailableError, match=dummy_server.url):
-            VLLMServerEngine(dummy_server.url)
-    finally:
-        engine.close()
+    with pytest.raises(EngineUnavailableError) as raised:
+        FullSync().sync(model, engine)
+    assert dummy_server.url in str(raised.value)
+    assert "connection refused; the server is gone or restarting" in str(raised.value)
+    with pytest.raises(EngineUnavailableError, match="rank 0: EngineUnavailableError"):
+        distributed.sync(FullSync(), model, engine, group=group)
+    with pytest.raises(EngineUnavailableError, match=dummy_server.url):
+        VLLMServerEngine(dummy_server.url)
 
 
 @pytest.fixture(scope="module")
