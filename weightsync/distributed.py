@@ -61,21 +61,21 @@ class _Facts(Engine):
 
     def __init__(self, facts: Mapping[str, Any], real: Engine | None) -> None:
         super().__init__()
-        self._facts = facts
+        self._seen = facts
         self._real = real
 
     def _attest(self, since: Hashable | None) -> Attestation:
         # As src's engine attested it when the facts were taken; no epoch, so nothing is
         # skipped (a sharded tensor has no content key either). The real engine's state is
         # checked again when src executes.
-        return Attestation(None, frozenset(self._facts["asleep"]), self._facts["harm"])
+        return Attestation(None, frozenset(self._seen["asleep"]), self._seen["harm"])
 
     @property
     def facts(self) -> EngineFacts:
-        return self._facts["facts"]
+        return self._seen["facts"]
 
     def describe(self) -> str:
-        return self._facts["describe"]
+        return self._seen["describe"]
 
     def check_adapter(self, adapter: Adapter) -> None:
         if self._real is not None:  # the other ranks learn the outcome when the ranks agree

@@ -164,13 +164,13 @@ class VLLMEngine(Engine):
             if path is None
             else ckpt.weight_files(folder, self._load_config)
         )
-        _, twins = model_ops.fold_tied(self.shared_weights, dict(fmt.shapes(files)))
+        twins = model_ops.checkpoint_twins(files, self.shared_weights)
         if twins or not self._reads_files:
             # vLLM's own reload from disk leaves a tied twin (lm_head) stale, because the
             # checkpoint stores the shared tensor once (measured on vLLM 0.32), and an engine
             # whose loader reads no files (dummy) cannot reload from disk at all. Read the
             # files here instead and send each shared tensor under every name.
-            stream = model_ops.checkpoint_stream(files, self.shared_weights)
+            stream = fmt.read(files, twins)
             return self.load_weights([timing.spanned(stream, "serialize")])
         self._forget_adapter()
         self._reload(path=folder)

@@ -109,7 +109,7 @@ class WeightsyncWorker:
             )
             if not weight_files:
                 raise FileNotFoundError(f"no weight files in {path or facts.checkpoint!r}")
-            stream = model_ops.checkpoint_stream(weight_files, facts.tied)
+            stream = fmt.read(weight_files, model_ops.checkpoint_twins(weight_files, facts.tied))
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
         return model_ops.reload(self, stream).to_json()

@@ -214,11 +214,9 @@ def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
     )
 
 
-def checkpoint_stream(
-    files: Iterable[str], tied: Iterable[Iterable[str]]
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor of checkpoint ``files``, each tied tensor under every name of its group
-    (a checkpoint stores it once; see `fold_tied`)."""
-    files = list(files)
+def checkpoint_twins(files: Iterable[str], tied: Iterable[Iterable[str]]) -> dict[str, list[str]]:
+    """The names checkpoint ``files`` store a tied tensor under (one header read), each with the
+    names of its group they lack: a load from them must send the tensor under those too (see
+    `fold_tied`); ``format.read(files, twins)`` does."""
     _, twins = fold_tied(tied, dict(fmt.shapes(files)))
-    return fmt.read(files, twins)
+    return twins
