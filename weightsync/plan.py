@@ -33,6 +33,8 @@ class Weight:
     ``inputs`` are the trainer tensors (and scales) the value is computed from: a tensor whose
     inputs have the same content as when the engine received it need not be sent again, if the
     engine attests it still holds it (see `content_key`); without inputs it is always sent.
+    ``sent`` is the dtype a tensor travels in whatever the plan's (a quantized weight and its
+    scale, `weightsync.trainer.quantize`); None: the plan's dtype.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Weight:
     source: int = 0
     held: torch.dtype | None = None  # the dtype the trainer holds it in (None: computed)
     inputs: tuple[torch.Tensor | float, ...] = ()  # what its value is computed from
+    sent: torch.dtype | None = None  # the dtype it travels in (None: the plan's)
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,13 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 def nbytes(tensors: tuple[Weight, ...] | list[Weight], dtype: torch.dtype) -> int:
-    """Bytes ``tensors`` occupy in ``dtype``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(itemsize * numel(t.shape) for t in tensors)
+    """Bytes ``tensors`` occupy when sent: in ``dtype``, or in their own `Weight.sent` dtype."""
+    return sum(itemsize(t.sent or dtype) * numel(t.shape) for t in tensors)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,7 @@ class Plan:
                 f"{how}: {len(self.weights)} weights, {_mib(self.weight_bytes)} in "
                 f"{str(self.dtype).removeprefix('torch.')}"
                 + (f", {merged} with LoRA merged in (float32, cast once)" if merged else "")
+                + _quantized(self.weights)
             )
         if self.adapter is not None:
             a = self.adapter
@@ -215,6 +223,14 @@ class Plan:
         if self.skip_note and not self.skipped and self.weights:
             lines.append(f"  note: nothing skipped: {self.skip_note}")
         return "\n".join(lines)
+
+
+def _quantized(weights: tuple[Weight, ...]) -> str:
+    sent = [str(t.sent).removeprefix("torch.") for t in weights if t.sent is not None]
+    if not sent:
+        return ""
+    kinds = ", ".join(f"{sent.count(d)} {d}" for d in dict.fromkeys(sent))
+    return f" (quantized on the trainer side: {kinds})"
 
 
 def _targets(adapter: Adapter) -> set[str]:

@@ -37,12 +37,16 @@ one; the bf16 noise grows with model size, so a larger model may need ``toleranc
 correct sync, take ~1.5x). A head stale by a step much smaller than the one above (a real RL
 step at lr ~1e-6) stays below every dtype's tolerance.
 
+Quantized engines (docs/quantized.md): the trainer's side is computed as the engine computes
+it (`reference_logprobs`), with tolerances measured per scheme (`QUANTIZED_TOLERANCE`).
+
 Cost: one engine prefill of 128 tokens (two calls with LoRA) and one trainer forward pass per
 prompt (measured in docs/failure-modes.md, "Cost of verification").
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +56,8 @@ from torch import nn
 
 from .engines.base import Engine
 from .errors import EngineAsleepError, VerificationError
+from .trainer import quantize
+from .trainer.tensors import base_tensors, inner_model, is_peft
 
 CANARY_LENGTH = 64
 CANARY_PROMPTS = 2
@@ -75,6 +81,110 @@ TOLERANCE: dict[torch.dtype, Tolerance] = {
     torch.bfloat16: Tolerance(mean=0.12, max=2.0),
     torch.float16: Tolerance(mean=0.03, max=0.5),
 }
+
+
+#: Quantized bfloat16 engines that quantize activations too, by online method or by the scheme
+#: weightsync quantizes to (`weightsync.trainer.quantize.SCHEMES`), for the engine-like reference
+#: (`reference_logprobs`); weight-only schemes use the dtype's (`tolerance_for`). Measured like the
+#: dtypes (``python -m benchmarks.verification --quantization fp8_per_channel "W8A8-INT8
+#: per-channel" "FP8 per-channel" "W4A16 group 32" --seeds 5 --trainer-dtypes bfloat16``, tiny
+#: tied Qwen2; docs/quantized.md has the table), mean |d logprob| of a correct sync / of the
+#: smallest one-step-stale case (the last ``down_proj`` left out): FP8 per channel, online or
+#: pre-quantized (the same numbers: the same arithmetic) 0.071-0.077 / 0.139-0.147; W8A8-INT8
+#: 0.030-0.033 / 0.116-0.124. A correct FP8 sync of tests/test_quantized_vllm.py's LoRA-merged
+#: model (larger weights) scores 0.104, so the FP8 band is narrow: 0.13 is 1.25x above the
+#: largest correct mean seen and 1.07x below the smallest stale one. One flipped e4m3 rounding is
+#: a 6% change of an activation, so the kernels' bf16 differences that cost 0.012 on a bf16
+#: engine cost more here, and how much depends on the weights: on FP8 engines verification is a
+#: coarse check (garbage and a stale head score 6-7 and 0.19); a larger model may need
+#: ``tolerance=`` (measure a correct sync, take ~1.3x).
+QUANTIZED_TOLERANCE: dict[str, Tolerance] = {
+    "fp8_per_channel": Tolerance(mean=0.13, max=2.0),
+    "FP8 per-channel": Tolerance(mean=0.13, max=2.0),
+    "W8A8-INT8 per-channel": Tolerance(mean=0.06, max=2.0),
+}
+
+
+def tolerance_for(engine: Engine) -> Tolerance:
+    """The tolerance `check_engine` applies to ``engine`` by default: its quantization's, else
+    its dtype's.
+
+    Raises:
+        VerificationError: the engine quantizes in a way no tolerance was measured for (the
+            bf16 one would fail correct syncs, a looser guess could pass stale ones); pass
+            ``tolerance=`` measured as ``benchmarks/verification.py`` does.
+    """
+    q = engine.facts.quantized
+    if q is None or (q.method == "none" and q.kv_cache == "auto"):
+        return TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
+    scheme = quantize.arithmetic(q)
+    if q.kv_cache == "auto" and scheme is not None and scheme.activations is None:
+        # weight-only: the engine-like reference is exact up to kernel rounding, as for an
+        # unquantized engine (W4A16 group 32: correct 0.014-0.015, stale down_proj 0.14-0.145)
+        return TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
+    key = scheme.name if q.prequantized and scheme is not None else q.method
+    if q.kv_cache == "auto" and key in QUANTIZED_TOLERANCE:
+        return QUANTIZED_TOLERANCE[key]
+    raise VerificationError(
+        f"no verification tolerance is measured for this engine's quantization ({q}); measured: "
+        f"{sorted(QUANTIZED_TOLERANCE)} with a model-dtype KV cache. Pass tolerance= from a "
+        "measurement of correct and stale syncs (python -m benchmarks.verification "
+        "--quantization ...)."
+    )
+
+
+def reference_logprobs(
+    model: nn.Module, engine: Engine, prompts: list[list[int]], *, strict: bool = True
+) -> list[torch.Tensor]:
+    """What ``engine`` should give ``prompts`` if it serves ``model``: the trainer's logprobs
+    (`trainer_prompt_logprobs`), computed, for a quantized engine, as that engine computes them.
+
+    Why: an 8-bit engine rounds every weight (and, W8A8, every activation), so a correct sync
+    scores far from the bf16 trainer -- and how far depends on the weights (0.14 on one tiny
+    model, 0.27 on a LoRA-merged one, both FP8), too far for a fixed tolerance to separate from a
+    one-step-stale weight. Run through the engine's arithmetic
+    (`weightsync.trainer.quantize.simulated`: the weight the engine received quantized in its
+    scheme, each input quantized per token for a W8A8 scheme), the trainer is as close to a
+    correct weight-only (W4A16) engine as a bf16 trainer to a bf16 engine, and about half as far
+    from a W8A8 one as before (docs/quantized.md). Cost: each quantized weight is produced
+    (merged, cast, quantized) again for each canary prompt's forward pass.
+
+    Args:
+        strict: raise when the engine's quantization cannot be simulated; False returns the
+            plain trainer's logprobs then (for a caller that measured its own tolerance).
+
+    Raises:
+        VerificationError: (``strict``) the engine quantizes in a way weightsync does not
+            simulate (an unknown method, a stock server that does not say which modules, an
+            engine serving LoRA on a quantized base, an fp8 KV cache).
+    """
+    q = engine.facts.quantized
+    if q is None or (q.method == "none" and q.kv_cache == "auto"):
+        return trainer_prompt_logprobs(model, prompts)
+    scheme = quantize.arithmetic(q)
+    modules = set(q.modules) or quantize.quantized_modules(engine.expected_weights)
+    if scheme is None or not modules or engine.serves_lora or q.kv_cache != "auto":
+        if not strict:
+            return trainer_prompt_logprobs(model, prompts)
+        raise VerificationError(
+            f"cannot verify this engine: it quantizes ({q}) in a way weightsync does not "
+            "simulate on the trainer side (known: "
+            f"{sorted(quantize.SCHEMES)} and online {sorted(quantize.ONLINE)}, a model-dtype KV "
+            "cache, no LoRA served, the quantized modules reported by the engine's workers); "
+            "use check_engine(..., tolerance=...) measured as benchmarks/verification.py does"
+        )
+    peft = is_peft(model)
+    weights = {
+        t.name.removesuffix(".weight"): t
+        for t in base_tensors(model, merge_lora=peft, expected=engine.expected_weights)
+        if t.name.endswith(".weight") and t.name.removesuffix(".weight") in modules
+    }
+    inner = inner_model(model)
+    peft_model: Any = model  # a peft.PeftModel when peft (untyped)
+    # a PEFT model's LoRA is in the merged weights the hooks use: its adapters must not add again
+    off = peft_model.disable_adapter() if peft else contextlib.nullcontext()
+    with off, quantize.simulated(inner, scheme, weights, engine.dtype):
+        return trainer_prompt_logprobs(inner, prompts)
 
 
 def canary_prompt(vocab_size: int, length: int = CANARY_LENGTH, index: int = 0) -> list[int]:
@@ -150,8 +260,10 @@ def check_engine(
     """Compare engine and trainer on the canary prompts; return the mean logprob difference.
 
     Raises:
-        VerificationError: the mean or the largest difference is above ``tolerance`` (default:
-            by engine dtype), or a logprob is NaN.
+        VerificationError: the mean or the largest difference from `reference_logprobs` is
+            above ``tolerance`` (default: `tolerance_for` the engine: by its dtype, or by its
+            quantization), or a logprob is NaN; or the engine's quantization is not simulated
+            and no ``tolerance`` was given.
         EngineAsleepError: the engine's KV cache is asleep, so it cannot generate (vLLM keeps
             its scheduler paused until every tag is awake: the canary would wait forever).
     """
@@ -162,13 +274,14 @@ def check_engine(
             "wake_up(tags=['kv_cache']) before verifying. With the trl#5142 order (wake "
             "'weights', sync, wake 'kv_cache') sync without verify and call check_engine after."
         )
+    limit = tolerance or tolerance_for(engine)
     peft_or_plain: Any = model  # a transformers model, or a peft.PeftModel around one
     config = getattr(model, "config", None) or peft_or_plain.get_base_model().config
     prompts = canary_prompts(config.vocab_size)
     mean, largest = score_diffs(
-        engine.score_batch(prompts, TOP_K), trainer_prompt_logprobs(model, prompts)
+        engine.score_batch(prompts, TOP_K),
+        reference_logprobs(model, engine, prompts, strict=tolerance is None),
     )
-    limit = tolerance or TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
     if not (mean <= limit.mean and largest <= limit.max):  # NaN fails too
         # The engine does not serve what was sent: keep no record of it, so that the next sync
         # restores every weight instead of skipping the ones it believes unchanged.
@@ -177,7 +290,7 @@ def check_engine(
         raise VerificationError(
             f"{strategy}{at}: the engine's logprobs on the canary prompts differ from the "
             f"trainer's by {mean:.4g} on average and up to {largest:.4g} (tolerance {limit.mean:g} "
-            f"and {limit.max:g} for {engine.dtype}); the engine is not serving the trainer's "
-            "weights. The next sync should resend everything."
+            f"and {limit.max:g} for {engine.dtype}{engine.quantized}); the engine is not serving "
+            "the trainer's weights. The next sync should resend everything."
         )
     return mean

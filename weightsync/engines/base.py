@@ -126,7 +126,16 @@ class Engine(ABC):
     def describe(self) -> str:
         """One line naming the engine, for plans and logs."""
         lora = ", serves LoRA" if self.serves_lora else ""
-        return f"{self.name} engine ({str(self.dtype).removeprefix('torch.')}{lora})"
+        return (
+            f"{self.name} engine ({str(self.dtype).removeprefix('torch.')}{lora}{self.quantized})"
+        )
+
+    @property
+    def quantized(self) -> str:
+        """``", <how it quantizes>"`` for a quantized engine (see `Quantization`), else ``""``:
+        what every description of the engine appends after its dtype."""
+        q = self.facts.quantized
+        return f", {q}" if q is not None else ""
 
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The first row of each named tensor in the checkpoint `reload_checkpoint`

@@ -7,7 +7,7 @@ from torch import nn
 from ..engines.base import Engine
 from ..plan import Adapter, Plan, Weight
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, trained_copies
-from .base import Strategy, check_names
+from .base import Strategy, check_names, in_engine_format
 
 
 class AdapterSync(Strategy):
@@ -46,6 +46,6 @@ def adapter_part(model: nn.Module, engine: Engine) -> tuple[Adapter, list[Weight
     """The adapter of ``model`` and its ``modules_to_save`` copies, checked against ``engine``."""
     served = adapter(model)
     engine.check_adapter(served)
-    copies = trained_copies(model)
+    copies = in_engine_format(trained_copies(model), engine)
     check_names(copies, engine, complete=False)
     return served, copies

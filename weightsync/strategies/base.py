@@ -23,6 +23,7 @@ from ..engines.base import Engine, adapt
 from ..errors import WeightMismatchError
 from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
+from ..trainer import quantize
 
 
 class Strategy(ABC):
@@ -166,6 +167,40 @@ def _groups(tensors: list[Weight]) -> dict[str, str]:
     return group
 
 
+def in_engine_format(tensors: list[Weight], engine: Engine) -> list[Weight]:
+    """``tensors`` as ``engine`` loads them: as they are, unless the engine is pre-quantized
+    (its checkpoint holds quantized tensors), when each weight of a module it holds quantized
+    becomes that scheme's tensors, quantized on the trainer side in the stream
+    (`weightsync.trainer.quantize`). An online method (``quantization="fp8_per_channel"``)
+    quantizes what it loads itself: it gets the weights as they are.
+
+    Raises:
+        WeightMismatchError: the engine's scheme is not one weightsync reproduces exactly.
+    """
+    q = engine.facts.quantized
+    if q is None or not q.prequantized:
+        return tensors
+    scheme = quantize.scheme_of(q)
+    modules = quantize.quantized_modules(engine.expected_weights)
+    return quantize.quantized(tensors, scheme, modules, engine.dtype)
+
+
+def quantization_note(engine: Engine) -> tuple[str, ...]:
+    """The plan note saying how the engine quantizes, and what that means for the sync."""
+    q = engine.facts.quantized
+    if q is None:
+        return ()
+    what = str(q)
+    if q.prequantized:
+        scheme = quantize.scheme_of(q)
+        parts = ", ".join(part for part, _, _ in scheme.layout((1, 1), engine.dtype))
+        return (
+            f"the engine is quantized: {what}; weights of its quantized modules are quantized "
+            f"on the trainer side to {scheme.name} ({parts}), a bucket at a time",
+        )
+    return (f"the engine is quantized: {what}; weights are sent unquantized",)
+
+
 def check_names(tensors: list[Weight], engine: Engine, *, complete: bool) -> None:
     """Raise `WeightMismatchError` unless ``tensors`` fit what ``engine`` loads.
 
@@ -210,7 +245,18 @@ def check_names(tensors: list[Weight], engine: Engine, *, complete: bool) -> Non
             "the trainer's weights do not fit the engine, nothing was written:\n  - "
             + "\n  - ".join(problems)
             + "\nIs the engine running the same architecture and checkpoint layout as the trainer?"
+            + _quantized_hint(engine)
         )
+
+
+def _quantized_hint(engine: Engine) -> str:
+    q = engine.facts.quantized
+    if q is None:
+        return ""
+    return (
+        f"\nThe engine is quantized ({q}): it loads the weights of that "
+        "scheme; see docs/quantized.md for the schemes weightsync syncs into."
+    )
 
 
 def _few(items: list[str], limit: int = 8) -> str:

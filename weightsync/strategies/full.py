@@ -11,7 +11,7 @@ from ..errors import AdapterError
 from ..plan import Plan
 from ..trainer import peft_support
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
-from .base import Strategy, check_names, unchanged
+from .base import Strategy, check_names, in_engine_format, quantization_note, unchanged
 
 LoraMode = Literal["merge", "separate"]
 
@@ -91,6 +91,8 @@ class FullSync(Strategy):
         tensors = base_tensors(
             model, merge_lora=peft and mode == "merge", expected=engine.expected_weights
         )
+        tensors = in_engine_format(tensors, engine)
+        notes += quantization_note(engine)
         check_names(tensors, engine, complete=True)
         skip = unchanged(tensors, engine, enabled=self.skip_unchanged)
         return Plan(

@@ -14,7 +14,7 @@ from ..plan import Adapter, Plan, Weight
 from ..trainer import peft_support
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
 from .adapter import adapter_part
-from .base import Strategy, check_names
+from .base import Strategy, check_names, in_engine_format, quantization_note
 
 #: How many base tensors the checkpoint comparison samples (first row of each, spread evenly).
 SAMPLED_TENSORS = 32
@@ -88,6 +88,8 @@ class ReloadWeights(Strategy):
         if served is not None:
             engine.check_adapter(served)
         tensors = base_tensors(model, merge_lora=not separate, expected=engine.expected_weights)
+        tensors = in_engine_format(tensors, engine)
+        notes += quantization_note(engine)
         check_names(tensors, engine, complete=True)
         return Plan(
             **common,
@@ -115,9 +117,9 @@ def _require_untouched_base(model: nn.Module, engine: Engine) -> None:
             f"base parameters are trainable ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''})"
         )
     if not why:
-        why += _sampled_differences(
-            base_tensors(model, merge_lora=False, expected=engine.expected_weights), engine
-        )
+        # quantized weights are computed (no `held` dtype): the sample skips them
+        base = base_tensors(model, merge_lora=False, expected=engine.expected_weights)
+        why += _sampled_differences(in_engine_format(base, engine), engine)
     if why:
         raise UnsupportedModelError(
             "ReloadWeights from the engine's own checkpoint would restore a base the trainer no "

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..plan import Adapter, Weight, numel
+from ..plan import Adapter, Weight, itemsize, numel
 from ..wire.layout import checkpoint_layout
 from . import peft_support
 from .gather import full, summed
@@ -301,11 +301,10 @@ def buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
     current: list[Weight] = []
     size = 0
     for t in tensors:
-        nbytes = itemsize * numel(t.shape)
+        nbytes = itemsize(t.sent or dtype) * numel(t.shape)
         if current and size + nbytes > bucket_bytes:
             yield [(c.name, c.produce(dtype)) for c in current]
             current, size = [], 0

@@ -33,6 +33,66 @@ class LoraLimits:
 
 @dataclass(frozen=True)
 class EngineFacts:
+@dataclass(frozen=True)
+class Quantization:
+    """How an engine quantizes its weights: a fact of the engine, as its config states it.
+
+    Attributes:
+        method: vLLM's quantization method (``"fp8_per_channel"``, ``"compressed-tensors"``).
+        prequantized: the engine loads quantized tensors (``weight_scale``, ``weight_packed``):
+            its checkpoint holds them, and a sync must send them (``trainer/quantize.py``).
+            False for an online method, which quantizes whatever bf16 weights it loads.
+        config: the checkpoint's ``quantization_config`` (compressed-tensors: its config groups
+            with targets and arguments, ``ignore``, ``format``); empty for an online method.
+        kv_cache: the KV cache dtype (``"auto"``: the model's; ``"fp8"``).
+        modules: the modules the engine holds quantized, by checkpoint name
+            (``model.layers.0.self_attn.q_proj``), as its workers read them from the model vLLM
+            built; empty when not known (a stock server).
+    """
+
+    method: str
+    prequantized: bool = False
+    config: Mapping[str, Any] = field(default_factory=dict)
+    kv_cache: str = "auto"
+    modules: tuple[str, ...] = ()
+
+    @classmethod
+    def read(
+        cls,
+        method: str | None,
+        hf_quant_config: Mapping[str, Any] | None,
+        kv_cache: str | None,
+        modules: tuple[str, ...] = (),
+    ) -> Quantization | None:
+        """The record from what vLLM's configs hold (the same read in a worker and for a stock
+        server); None for an unquantized engine with a model-dtype KV cache."""
+        kv = str(kv_cache or "auto")
+        if not method and kv == "auto":
+            return None
+        config = dict(hf_quant_config or {})
+        return cls(method or "none", bool(config), config, kv, tuple(modules))
+
+    def __str__(self) -> str:
+        """A short name for plans, logs and errors: ``pre-quantized compressed-tensors W8A8
+        (int channel, dynamic activations)``, ``fp8_per_channel (online ...)``."""
+        kv = f", KV cache {self.kv_cache}" if self.kv_cache != "auto" else ""
+        if self.method == "none":
+            return f"KV cache {self.kv_cache} (weights unquantized)"
+        if not self.prequantized:
+            return f"{self.method} (online: the engine quantizes what it loads){kv}"
+        parts = []
+        for group in (self.config.get("config_groups") or {}).values():
+            w, a = group.get("weights") or {}, group.get("input_activations") or {}
+            size = f" {w['group_size']}" if w.get("group_size") else ""
+            dynamic = ", dynamic activations" if a.get("dynamic") else ""
+            parts.append(
+                f"W{w.get('num_bits')}A{a.get('num_bits', 16)} "
+                f"({w.get('type')} {w.get('strategy')}{size}{dynamic})"
+            )
+        scheme = " + ".join(parts) or str(self.config.get("format", "unknown scheme"))
+        return f"pre-quantized {self.method} {scheme}{kv}"
+
+
     """What an engine loads and serves: the contract a sync is planned against.
 
     Attributes:
@@ -43,6 +103,7 @@ class EngineFacts:
         quantization: the engine's quantization method (None: unquantized).
         attests: the engine keeps an epoch of its own (``ledger.py``); without one nothing it
             holds may be skipped, and its base counts as lost at any time.
+        quantized: how it quantizes (`Quantization`); None: unquantized.
         keeps_unsent_layers: a write that leaves layers out leaves them as they were (False on
             vLLM-CPU MoE engines, which re-pack every MoE layer after any load).
         checkpoint: the folder the engine was started from, on the engine's host.
@@ -57,6 +118,7 @@ class EngineFacts:
     quantization: str | None = None
     attests: bool = True
     keeps_unsent_layers: bool = True
+    quantized: Quantization | None = None
     checkpoint: str = ""
     files: tuple[str, ...] = ()
     world_size: int = 1
@@ -75,6 +137,13 @@ class EngineFacts:
             quantization=data.get("quantization"),
             attests=bool(data.get("attests", True)),
             keeps_unsent_layers=bool(data.get("keeps_unsent_layers", True)),
+            quantized=(
+                Quantization(
+                    **{**data["quantized"], "modules": tuple(data["quantized"]["modules"])}
+                )
+                if data.get("quantized")
+                else None
+            ),
             checkpoint=data.get("checkpoint", ""),
             files=tuple(data.get("files", ())),
             world_size=int(data.get("world_size", 1)),

