@@ -40,7 +40,10 @@ def recover(engine: Engine) -> list[str]:
     """Wake ``engine`` for real and abort requests a failed ``generate`` left behind; return
     what was done (empty if the engine was fine)."""
     done = []
-    llm = getattr(getattr(engine, "llm", None), "llm_engine", None)
+    # VLLMEngine's LLMEngine (whatever it was given), or a multiprocess LLM's
+    llm = getattr(engine, "llm_engine", None) or getattr(
+        getattr(engine, "llm", None), "llm_engine", None
+    )
     if engine.asleep or (llm is not None and llm.is_sleeping()):
         engine.wake_up()
         done.append("woke the engine")
@@ -226,3 +229,36 @@ def lora_engine(checkpoint):
 def plain_engine(checkpoint):
     """An in-process engine on the module's ``checkpoint``, without LoRA (adapters are merged)."""
     return VLLMEngine(T.make_llm(checkpoint))
+
+
+#: What the trainer tests' tokenizer is trained on, and their prompts.
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "a tiny model learns to count: one two three four five",
+    "weights go from the trainer to the rollout engine after every step",
+    "sleep level two discards the weights; level one keeps them on the host",
+]
+
+
+def build_tokenizer(folder, vocab: int = 1024):
+    """A byte-level BPE trained on ``TEXT`` (no hub), padded with extra tokens to ``vocab`` (the
+    tiny models' vocabulary) and saved in ``folder``; what the trainer tests (TRL, ms-swift) load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.add_tokens([f"<x{i}>" for i in range(vocab - len(fast))])
+    assert len(fast) == vocab
+    fast.save_pretrained(str(folder))
+    return fast

@@ -34,44 +34,16 @@ import torch
 
 pytest.importorskip("trl")
 
+from conftest import TEXT, build_tokenizer
+
 from weightsync import testing as T
 from weightsync.integrations.trl import use_weightsync
 
-VOCAB = 1024
 STEPS = 2
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
-TEXT = [
-    "the quick brown fox jumps over the lazy dog",
-    "a tiny model learns to count: one two three four five",
-    "weights go from the trainer to the rollout engine after every step",
-    "sleep level two discards the weights; level one keeps them on the host",
-]
 
 
 # --- module fixtures: one tokenizer, one checkpoint per architecture, the CPU patches ----------
-
-
-def build_tokenizer(folder):
-    """A byte-level BPE trained on a few strings, padded with extra tokens to the model's vocab."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXT * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    fast.add_tokens([f"<x{i}>" for i in range(VOCAB - len(fast))])
-    assert len(fast) == VOCAB
-    fast.save_pretrained(str(folder))
-    return fast
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,8 @@ def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
     engine = adapt(engine)
     llm = _llm(engine, "count_writes")
     writes: list[str] = []
-    rpc, add, remove = llm.collective_rpc, llm.llm_engine.add_lora, llm.llm_engine.remove_lora
+    core = getattr(llm, "llm_engine", llm)  # a vllm.LLM's LLMEngine, or the LLMEngine given
+    rpc, add, remove = llm.collective_rpc, core.add_lora, core.remove_lora
 
     def counted_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
@@ -240,12 +241,12 @@ def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
         return call
 
     llm.collective_rpc = counted_rpc
-    llm.llm_engine.add_lora = counted("add_lora", add)
-    llm.llm_engine.remove_lora = counted("remove_lora", remove)
+    core.add_lora = counted("add_lora", add)
+    core.remove_lora = counted("remove_lora", remove)
     try:
         yield writes
     finally:
-        del llm.collective_rpc, llm.llm_engine.add_lora, llm.llm_engine.remove_lora
+        del llm.collective_rpc, core.add_lora, core.remove_lora
 
 
 # --- vllm serve processes ---------------------------------------------------------------------

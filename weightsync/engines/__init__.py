@@ -1,5 +1,6 @@
-"""Engine adapters. ``VLLMEngine`` wraps an in-process ``vllm.LLM``; another engine is one
-`Engine` subclass decorated with `register`.
+"""Engine adapters. ``VLLMEngine`` wraps an in-process ``vllm.LLM`` (or its ``LLMEngine``, or a
+framework's object holding one); another engine is one `Engine` subclass decorated with
+`register`.
 
 Importing this package imports nothing until a name is used (PEP 562), and never vLLM: an
 adapter imports it when it is constructed.

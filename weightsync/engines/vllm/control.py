@@ -4,13 +4,14 @@ Pause and resume, prefix-cache reset, adapter load and unload by name, generatio
 logprobs (for verification), sleep and wake, and ``collective_rpc`` into the worker extension,
 whose ledger `attestation` reads.
 `HTTPControl` makes them on a ``vllm serve`` server, `LLMControl` on a multiprocess
-``vllm.LLM``; `greedy_generate` and `score_prompts` are the ``LLM`` calls both the in-process
-and the multiprocess engine use.
+``vllm.LLM``; `greedy_generate` and `score_prompts` are the generation calls both the in-process
+and the multiprocess engine use, made on vLLM's ``LLMEngine``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator
 from typing import Any, cast
@@ -22,25 +23,64 @@ from ..base import Attestation
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
 
 
-def greedy_generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int, lora_request: Any
-) -> list[tuple[list[int], list[float]]]:
-    """Greedy-decode ``max_tokens`` for each prompt on a ``vllm.LLM`` (in or out of process),
-    in one call; the tokens and their logprobs."""
-    from vllm import SamplingParams
+#: What to pass as ``vllm serve --middleware`` for weightsync's token guard (``in_engine/auth.py``).
+TOKEN_MIDDLEWARE = "weightsync.engines.vllm.in_engine.auth.RequireToken"
+
+
+def run_requests(
+    engine: Any, prompts: list[list[int]], params: Any, lora_request: Any
+) -> list[Any]:
+    """Run ``prompts`` (token ids) to completion on a vLLM ``LLMEngine`` (or a ``vllm.LLM``'s)
+    through its public ``add_request`` / ``step`` (what ``vllm.LLM.generate`` does inside);
+    their ``RequestOutput`` in prompt order.
+
+    Driving the ``LLMEngine`` rather than a ``vllm.LLM`` serves every engine a framework holds
+    (ms-swift keeps an ``LLMEngine``, TRL an ``LLM``). ``step`` returns the outputs of every
+    request in the engine, so a request someone else has in flight would lose its outputs to
+    this call: that is refused. A failure aborts the requests added here, or the next ``step``
+    of an in-process engine would spin on them forever.
+
+    Raises:
+        RuntimeError: the engine has requests of someone else in flight.
+    """
     from vllm.inputs import TokensPrompt
+
+    llm_engine = getattr(engine, "llm_engine", engine)
+    if llm_engine.has_unfinished_requests():
+        raise RuntimeError(
+            "the vLLM engine has requests in flight (a rollout running in another thread?); "
+            "weightsync generates on it only when it is idle, or their outputs would be lost"
+        )
+    tag = f"weightsync-{uuid.uuid4().hex[:8]}"
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    done: dict[str, Any] = {}
+    try:
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            llm_engine.add_request(
+                request_id,
+                TokensPrompt(prompt_token_ids=list(prompt)),
+                params,
+                lora_request=lora_request,
+            )
+        while len(done) < len(ids):
+            done.update({out.request_id: out for out in llm_engine.step() if out.finished})
+    except BaseException:
+        llm_engine.abort_request([i for i in ids if i not in done])
+        raise
+    return [done[i] for i in ids]
+
+def greedy_generate(
+    engine: Any, prompts: list[list[int]], max_tokens: int, lora_request: Any
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy-decode ``max_tokens`` for each prompt on a vLLM ``LLMEngine`` or ``LLM`` (in or
+    out of process), in one batch; the tokens and their logprobs."""
+    from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
     )
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-        params,
-        lora_request=lora_request,
-        use_tqdm=False,
-    )
     results = []
-    for out in outputs:
+    for out in run_requests(engine, prompts, params, lora_request):
         tokens = list(out.outputs[0].token_ids)
         logprobs = [
             step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
@@ -50,12 +90,11 @@ def greedy_generate(
 
 
 def score_prompts(
-    llm: Any, prompts: list[list[int]], top_k: int, lora_request: Any
+    engine: Any, prompts: list[list[int]], top_k: int, lora_request: Any
 ) -> list[list[dict[int, float]]]:
-    """For each prompt, each position after the first: the logprobs vLLM gives the prompt's
-    token and its ``top_k`` most likely tokens (``prompt_logprobs``)."""
+    """For each prompt, each position after the first: the logprobs a vLLM ``LLMEngine`` (or ``LLM``) gives
+    the prompt's token and its ``top_k`` most likely tokens (``prompt_logprobs``)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is computed
     # under the weights served now. One token is generated because vLLM must.
@@ -63,18 +102,9 @@ def score_prompts(
     # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not per
     # prompt position: two prompts in one batch with prompt_logprobs fail ("einsum(): subscript b
     # has size 2 ... 63"). One prompt per call is exact.
-    lora_enabled = llm.llm_engine.vllm_config.lora_config is not None
+    lora_enabled = getattr(engine, "llm_engine", engine).vllm_config.lora_config is not None
     groups = [[p] for p in prompts] if lora_enabled else [prompts]
-    outputs = [
-        out
-        for group in groups
-        for out in llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in group],
-            params,
-            lora_request=lora_request,
-            use_tqdm=False,
-        )
-    ]
+    outputs = [out for group in groups for out in run_requests(engine, group, params, lora_request)]
     return [
         [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
         for out in outputs

@@ -1,4 +1,11 @@
-"""Adapter for an in-process ``vllm.LLM`` (the engine a colocated trainer already created).
+"""Adapter for an in-process vLLM engine (the one a colocated trainer already created).
+
+The engine is a ``vllm.LLM`` (TRL, verl, most scripts) or the ``LLMEngine`` inside one, which
+frameworks also hold directly (ms-swift's ``GRPOVllmEngine`` keeps it as ``.engine``, built with
+``LLMEngine.from_engine_args``). Every call weightsync makes exists on ``LLMEngine`` under the
+same name as on ``LLM`` (``collective_rpc``, ``reset_prefix_cache``, ``sleep``, ``wake_up``),
+and generation goes through its public ``add_request`` / ``step`` (``control.run_requests``),
+so the adapter needs nothing of ``LLM.__init__``.
 
 Why these engine calls and not others (see also ``docs/engines.md``):
 
@@ -51,12 +58,27 @@ from .in_engine import ledger, model_ops
 _RELOADING = threading.Lock()
 
 
+def llm_engine_of(obj: Any) -> Any:
+    """The vLLM ``LLMEngine`` ``obj`` is or holds (as ``.llm_engine``: ``vllm.LLM``; as
+    ``.engine``: ms-swift's ``VllmEngine`` / ``GRPOVllmEngine``), or None."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    for candidate in (obj, getattr(obj, "llm_engine", None), getattr(obj, "engine", None)):
+        if isinstance(candidate, LLMEngine):
+            return candidate
+    return None
+
+
 @register
 class VLLMEngine(Engine):
-    """An in-process ``vllm.LLM`` as a weightsync engine.
+    """An in-process vLLM engine as a weightsync engine.
 
     Args:
-        llm: the ``vllm.LLM`` the trainer created, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+        llm: the engine the trainer created, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (or
+            ``distributed_executor_backend="external_launcher"``): a ``vllm.LLM``, a vLLM
+            ``LLMEngine``, or an object holding one as ``.engine`` (ms-swift's
+            ``GRPOVllmEngine``). Held as ``llm`` (the ``LLM``, else the ``LLMEngine``): every
+            weightsync call on it has the same name and meaning on both.
         checkpoint: folder of the checkpoint the engine was started from; defaults to the
             engine's model path. What `reload_checkpoint` reloads; the weights the engine loads
             are those of the model its config builds, as these files hold them (all of that
@@ -75,8 +97,16 @@ class VLLMEngine(Engine):
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
-        core = getattr(getattr(obj, "llm_engine", None), "engine_core", None)  # else: multiproc
-        return type(obj).__module__.startswith("vllm") and type(core).__name__ == "InprocClient"
+        # An LLMEngine, or a framework's object holding one; only vLLM's module is imported
+        # here (adapt() must not import vLLM for objects of other engines). A multiprocess
+        # engine core is the remote adapter's.
+        if not any(
+            type(o).__module__.startswith("vllm")
+            for o in (obj, getattr(obj, "llm_engine", None), getattr(obj, "engine", None))
+        ):
+            return False
+        core = getattr(llm_engine_of(obj), "engine_core", None)
+        return type(core).__name__ == "InprocClient"
 
     def __init__(
         self,
@@ -90,17 +120,28 @@ class VLLMEngine(Engine):
         super().__init__()
         from vllm.v1.engine.core_client import InprocClient
 
-        if not isinstance(llm.llm_engine.engine_core, InprocClient):
+        llm_engine = llm_engine_of(llm)
+        if llm_engine is None:
+            raise TypeError(
+                f"VLLMEngine wraps a vllm.LLM, a vLLM LLMEngine, or an object holding one as "
+                f".engine (ms-swift's GRPOVllmEngine); got {type(llm).__module__}."
+                f"{type(llm).__name__}"
+            )
+        if not isinstance(llm_engine.engine_core, InprocClient):
             raise ValueError(
                 "VLLMEngine needs vLLM's engine core in this process, so that weights pass by "
-                "reference: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM."
+                "reference: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the engine."
             )
-        self.llm = llm
-        config = llm.llm_engine.vllm_config
+        #: The ``vllm.LLM`` if one was given, else the ``LLMEngine``: the object every
+        #: weightsync call goes to (both have them under the same names).
+        self.llm = llm if llm_engine is getattr(llm, "llm_engine", None) else llm_engine
+        #: The ``LLMEngine`` (generation, adapters, config).
+        self.llm_engine = llm_engine
+        config = llm_engine.vllm_config
         self._model_config = config.model_config
         self._lora_config = config.lora_config
         self._load_config = config.load_config
-        self._executor = llm.llm_engine.engine_core.engine_core.model_executor
+        self._executor = llm_engine.engine_core.engine_core.model_executor
         # What the engine loads and serves, read as a worker process reads it. vLLM repoints
         # model_config.model at any folder it reloads from: the facts keep the original.
         self._facts: EngineFacts = self._executor.collective_rpc(
@@ -199,7 +240,8 @@ class VLLMEngine(Engine):
             else ""
         )
         return (
-            f"in-process vLLM on {self.checkpoint} ({str(self.dtype).removeprefix('torch.')}{lora})"
+            f"in-process vLLM on {self.checkpoint} "
+            f"({str(self.dtype).removeprefix('torch.')}{lora}{self.quantized})"
         )
 
     def check_adapter(self, adapter: Adapter) -> None:
@@ -254,7 +296,7 @@ class VLLMEngine(Engine):
         every adapter on a base write, so an id weightsync loaded and vLLM no longer lists is
         free again and is kept (stable across syncs).
         """
-        loaded = self.llm.llm_engine.list_loras()
+        loaded = self.llm_engine.list_loras()
         if self.lora_id is not None and (self.lora_id not in loaded or self._lora_id_loaded):
             return
         if self._lora_id_given:
@@ -294,9 +336,7 @@ class VLLMEngine(Engine):
             with timing.span("serialize"):
                 fmt.write_adapter(folder, adapter.tensors.items(), config)
             path = str(folder)
-            self.llm.llm_engine.add_lora(
-                LoRARequest(self.lora_name, lora_id, path, load_inplace=True)
-            )
+            self.llm_engine.add_lora(LoRARequest(self.lora_name, lora_id, path, load_inplace=True))
         self._lora_id_loaded = True
         self._lora_request = LoRARequest(self.lora_name, lora_id, path)
         self.llm.reset_prefix_cache()
@@ -322,7 +362,7 @@ class VLLMEngine(Engine):
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int
     ) -> list[tuple[list[int], list[float]]]:
-        return greedy_generate(self.llm, prompts, max_tokens, self.lora_request)
+        return greedy_generate(self.llm_engine, prompts, max_tokens, self.lora_request)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

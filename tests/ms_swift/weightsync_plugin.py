@@ -1,0 +1,3 @@
+from weightsync.integrations.swift import register_callback
+
+register_callback()
