@@ -164,6 +164,15 @@ ROWS: list[Row] = [
         "rewritten in place, both sides keeping them mapped; loaded by the worker extension",
     ),
     Row(
+        "server_tmpfs_untagged",
+        "FullSync dense -> vllm serve (tmpfs, tags off)",
+        "weightsync",
+        "server_tmpfs_untagged",
+        "dense",
+        "TmpfsTransport(tagged=False): the tmpfs row without the keyed tag of each file "
+        "(the token still sent): what the tags cost",
+    ),
+    Row(
         "server_tmpfs_fresh",
         "FullSync dense -> vllm serve (tmpfs, fresh files)",
         "weightsync",
@@ -179,6 +188,15 @@ ROWS: list[Row] = [
         "server_gloo",
         "dense",
         "VLLMServerEngine(transport='gloo'): buckets broadcast over a gloo process group",
+    ),
+    Row(
+        "server_gloo_untagged",
+        "FullSync dense -> vllm serve (gloo, tags off)",
+        "weightsync",
+        "server_gloo_untagged",
+        "dense",
+        "GlooTransport(tagged=False): the gloo row without the keyed tag of each bucket "
+        "(the token still sent): what the tags cost",
     ),
     Row(
         "server_wt_files",
@@ -212,8 +230,10 @@ FLOOR_ROW = "memcpy"
 FLOOR_ROWS = ("memcpy", "memcpy_untied")
 SERVER_ROWS = (
     "server_tmpfs",
+    "server_tmpfs_untagged",
     "server_tmpfs_fresh",
     "server_gloo",
+    "server_gloo_untagged",
     "server_wt_files",
     "replicas_1",
     "replicas_2",

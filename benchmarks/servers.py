@@ -5,7 +5,9 @@ Each server is a `weightsync.testing.VLLMServer` (127.0.0.1, a free port, weight
 extension, dev-mode endpoints, stopped gracefully by PID); `ServerPool.stop` also runs at
 interpreter exit, so an interrupted benchmark does not leave servers behind. The servers also run
 weightsync's weight-transfer backend, so the same server serves the tmpfs, gloo and
-weight-transfer rows.
+weight-transfer rows, and weightsync's token guard (docs/security.md), as a deployment should:
+every row sends the token, and each byte path is measured with its keyed tags on (the default)
+and, for tmpfs and gloo, off.
 """
 
 from __future__ import annotations
@@ -13,12 +15,21 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from weightsync.engines import Replicas, TmpfsTransport, VLLMServerEngine, WeightTransferTransport
+from weightsync.engines import (
+    TOKEN_MIDDLEWARE,
+    GlooTransport,
+    HTTPControl,
+    Replicas,
+    TmpfsTransport,
+    VLLMServerEngine,
+    WeightTransferTransport,
+)
 from weightsync.testing import VLLMServer
 
 from .models import ModelSpec
@@ -38,9 +49,11 @@ class ServerPool:
 
     def __init__(self, spec: ModelSpec, binds: list[str], *, logdir: Path) -> None:
         logdir.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(24)
         args = [
             "--kv-cache-memory-bytes", str(64 << 20),  # as the in-process engines
             "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
+            "--middleware", TOKEN_MIDDLEWARE,
         ]  # fmt: skip
         self.servers = [
             VLLMServer(
@@ -48,7 +61,11 @@ class ServerPool:
                 logdir / f"server-{i}-cores-{bind}.log",
                 dtype=spec.dtype_name,
                 args=args,
-                env={"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                env={
+                    "VLLM_CPU_OMP_THREADS_BIND": bind,
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    "WEIGHTSYNC_TOKEN": self.token,
+                },
                 start_timeout_s=600,
             )
             for i, bind in enumerate(binds)
@@ -114,23 +131,33 @@ class ServerEngines:
                 self._error = f"{type(e).__name__}: {e}"
                 raise
             self.log(f"[bench] servers ready in {time.perf_counter() - t:.1f} s")
-        urls = self._pools[pool].urls
-        if which == "server_tmpfs":
-            return VLLMServerEngine(urls[0], transport="tmpfs")
-        if which == "server_tmpfs_fresh":
-            return VLLMServerEngine(urls[0], transport=TmpfsTransport(keep=False))
-        if which == "server_gloo":
-            return VLLMServerEngine(urls[0], transport="gloo")
-        if which == "server_wt_files":
-            from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+        urls, token = self._pools[pool].urls, self._pools[pool].token
 
-            client = HTTPVLLMWeightSyncClient(urls[0])
-            return VLLMServerEngine(urls[0], transport=WeightTransferTransport(client, "files"))
+        def server(url: str, transport: Any) -> VLLMServerEngine:
+            return VLLMServerEngine(url, token=token, transport=transport)
+
+        if which == "server_tmpfs":
+            return server(urls[0], "tmpfs")
+        if which == "server_tmpfs_untagged":
+            return server(urls[0], TmpfsTransport(tagged=False))
+        if which == "server_tmpfs_fresh":
+            return server(urls[0], TmpfsTransport(keep=False))
+        if which in ("server_gloo", "server_gloo_untagged"):
+            # A server's workers hold one gloo group: the other gloo row's engine goes first.
+            other = self._engines.pop(
+                "server_gloo_untagged" if which == "server_gloo" else "server_gloo", None
+            )
+            if other is not None:
+                other.close()
+            return server(urls[0], GlooTransport(tagged=which == "server_gloo"))
+        if which == "server_wt_files":
+            client = HTTPControl(urls[0], token=token)
+            return server(urls[0], WeightTransferTransport(client, "files"))
         first = self._engines.get("replicas_1")
-        first = first.engines[0] if first else VLLMServerEngine(urls[0], transport="tmpfs")
+        first = first.engines[0] if first else server(urls[0], "tmpfs")
         if which == "replicas_1":
             return Replicas([first])
-        return Replicas([first, VLLMServerEngine(urls[1], transport="tmpfs")])
+        return Replicas([first, server(urls[1], "tmpfs")])
 
     def stop(self) -> None:
         """Close the engines (their /dev/shm folders, gloo groups), stop the servers."""

@@ -38,7 +38,12 @@ from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, TmpfsTransport, VLLMEngine, VLLMServerEngine
 from weightsync.engines.vllm.control import HTTPControl
-from weightsync.errors import BaseDiscardedError, EngineAsleepError, EngineBrokenError
+from weightsync.errors import (
+    AuthError,
+    BaseDiscardedError,
+    EngineAsleepError,
+    EngineBrokenError,
+)
 from weightsync.wire import format as fmt
 
 ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
@@ -117,6 +122,13 @@ def test_facts_come_from_the_workers_tied(engines):
     )
     assert tied.serves_lora and tied.facts.lora.max_rank == 16
     assert "q_proj" in tied.facts.lora.modules and tied.facts.attests
+
+
+def test_a_token_for_a_server_without_the_guard_is_refused(servers):
+    """These servers run no token middleware: a trainer that means to authenticate is told
+    the token would protect nothing, before it sends anything (docs/security.md)."""
+    with pytest.raises(AuthError, match="does not run weightsync's guard"):
+        VLLMServerEngine(servers[1].url, token="t" * 32)
 
 
 @pytest.mark.parametrize("tp", [pytest.param(2, id="tp2")])

@@ -43,7 +43,7 @@ def test_round_trip_and_any_reader(kept):
     """What the worker reads is what was written, tied names included; the files are plain
     safetensors (any reader opens them; the tied tensor is stored once)."""
     sent = buckets(0)
-    names = kept.write(sent)
+    names = kept.write(sent).names
     got = dict(MappedFiles().read(str(kept.folder), names))
     assert got.keys() == flat(sent).keys()
     for name, tensor in flat(sent).items():
@@ -57,13 +57,13 @@ def test_round_trip_and_any_reader(kept):
 def test_same_layout_is_rewritten_in_place_and_seen_through_the_mapping(kept):
     """A second sync with the same layout writes into the same files (same inodes): the
     worker's views, mapped once, show the new values without being read again."""
-    names = kept.write(buckets(0))
+    names = kept.write(buckets(0)).names
     inodes = [os.stat(kept.folder / n).st_ino for n in names]
     worker = MappedFiles()
     views = dict(worker.read(str(kept.folder), names))
     new = flat(buckets(1))
     assert not torch.equal(views["lm_head.weight"], new["lm_head.weight"])
-    assert kept.write(buckets(1)) == names
+    assert kept.write(buckets(1)).names == names
     assert [os.stat(kept.folder / n).st_ino for n in names] == inodes
     for name, tensor in new.items():
         assert torch.equal(views[name], tensor), name
@@ -76,12 +76,12 @@ def test_a_new_layout_replaces_the_file_and_old_views_stay_readable(kept):
     past its end); the worker maps the new file, its old views keep their bytes; files of a
     longer previous sync are removed."""
     old = flat(buckets(0))
-    names = kept.write(buckets(0))
+    names = kept.write(buckets(0)).names
     worker = MappedFiles()
     views = dict(worker.read(str(kept.folder), names))
     first_inode = os.stat(kept.folder / names[0]).st_ino
     shorter = [buckets(2, width=3)[0]]  # other shapes, one bucket
-    assert kept.write(shorter) == names[:1]
+    assert kept.write(shorter).names == names[:1]
     assert sorted(os.listdir(kept.folder)) == names[:1]
     assert os.stat(kept.folder / names[0]).st_ino != first_inode
     got = dict(worker.read(str(kept.folder), names[:1]))
@@ -118,6 +118,6 @@ def test_mixed_dtypes_with_odd_sizes_are_viewed_in_place(kept):
         ("c.mask", torch.tensor([True, False, True])),
         ("d.idx", torch.arange(7)),
     ]
-    got = dict(MappedFiles().read(str(kept.folder), kept.write([sent])))
+    got = dict(MappedFiles().read(str(kept.folder), kept.write([sent]).names))
     for name, tensor in sent:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

@@ -75,9 +75,9 @@ def ranks():
     pool = ThreadPoolExecutor(2)
     joined = {}
 
-    def join(port: int):
+    def join(port: int, secret: str):
         def run():
-            joined["worker"] = gloo.join_group("127.0.0.1", port, 1, 2, 60.0)
+            joined["worker"] = gloo.join_group("127.0.0.1", port, 1, 2, 60.0, secret)
 
         return pool.submit(run)
 

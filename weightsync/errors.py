@@ -70,6 +70,20 @@ class EngineUnavailableError(WeightSyncError, RuntimeError):
     engine in an unknown state, so only a full restore may follow (restart it first)."""
 
 
+class BytesRejectedError(WeightSyncError, RuntimeError):
+    """An engine's worker refused bytes it received: their keyed tag is not the one the trainer
+    made (``wire/tags.py``), so they were altered on disk or in transit. Nothing of that bucket
+    was loaded (with files, nothing of the whole sync: every file is checked before the first
+    load); the engine recovered as from any failed write, and the next sync restores it fully.
+    """
+
+
+class AuthError(WeightSyncError, PermissionError):
+    """An out-of-process engine that refuses weightsync's token, or one that would take weight
+    changes from anyone who reaches it (no token guard, reached over something other than
+    loopback). Raised before anything is sent; the message says which and what to do."""
+
+
 class NoCheckpointError(WeightSyncError, ValueError):
     """The engine was asked to reload a checkpoint it does not have: it was started with
     ``load_format="dummy"`` (random weights the first sync fills) from a folder without weight

@@ -23,6 +23,7 @@ from .errors import EngineChangedError
 from .plan import Bucket, Plan, Weight, numel
 from .trainer.tensors import buckets
 from .wire import format as fmt
+from .wire.scratch import private_dir
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,13 @@ def _expected_bytes(engine: Engine) -> int:
 def write_snapshot(
     tensors: Iterable[Weight], dtype: torch.dtype, folder: Path, bucket_bytes: int
 ) -> None:
-    """Write ``tensors`` as safetensors shards into ``folder``, replacing earlier shards."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write ``tensors`` as safetensors shards into ``folder``, replacing earlier shards.
+
+    Raises:
+        PermissionError: ``folder`` lets others than its owner in (``wire.scratch``): whoever
+            can write there changes what the engine reloads. Nothing is written then.
+    """
+    private_dir(folder)
     for old in folder.glob("*.safetensors"):
         old.unlink()
     # A tied tensor is stored once, under its first name, as a checkpoint stores it; the

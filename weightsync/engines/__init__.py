@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from .base import adapt as adapt
     from .base import register as register
     from .replicas import Replicas as Replicas
+    from .vllm.control import TOKEN_MIDDLEWARE as TOKEN_MIDDLEWARE
     from .vllm.control import WORKER_EXTENSION as WORKER_EXTENSION
+    from .vllm.control import HTTPControl as HTTPControl
     from .vllm.inprocess import VLLMEngine as VLLMEngine
     from .vllm.remote import VLLMMultiprocEngine as VLLMMultiprocEngine
     from .vllm.server import VLLMServerEngine as VLLMServerEngine
@@ -36,7 +38,7 @@ _EXPORTS = {
         "register",
     ),
     ".replicas": ("Replicas",),
-    ".vllm.control": ("WORKER_EXTENSION",),
+    ".vllm.control": ("HTTPControl", "TOKEN_MIDDLEWARE", "WORKER_EXTENSION"),
     ".vllm.inprocess": ("VLLMEngine",),
     ".vllm.remote": ("VLLMMultiprocEngine",),
     ".vllm.server": ("VLLMServerEngine",),

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .scratch import owner_only
+
 #: A bucket: (checkpoint name, tensor) pairs travelling together.
 Pairs = Iterable[tuple[str, torch.Tensor]]
 
@@ -132,7 +134,7 @@ def pack(bucket: Pairs) -> torch.Tensor:
 def write(bucket: Pairs, path: str | Path, *, aliases: bool = True) -> None:
     """Write ``bucket`` to a new safetensors file at ``path``."""
     header, places = layout(bucket, aliases=aliases)
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=owner_only) as f:
         f.write(header)
         for tensor, _, _ in places:
             f.write(tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
@@ -202,8 +204,9 @@ def write_adapter(folder: Path, tensors: Pairs, config: Mapping[str, Any]) -> No
     so a reader never sees half an adapter."""
     staging = folder.with_name(folder.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging.mkdir(mode=0o700, parents=True)
     write(tensors, staging / "adapter_model.safetensors", aliases=False)  # PEFT knows no aliases
-    (staging / "adapter_config.json").write_text(json.dumps(config, default=str))
+    with open(staging / "adapter_config.json", "w", opener=owner_only) as f:
+        f.write(json.dumps(config, default=str))
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)

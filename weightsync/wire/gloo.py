@@ -6,12 +6,26 @@ The group is one of its own (not torch's default group, which vLLM owns), rendez
 a ``TCPStore`` the trainer listens on. A stream is a sequence of frames, each an int64 header
 ``[kind, payload_len]`` broadcast from rank 0, then for a bucket one payload: the bucket as a
 safetensors file's bytes (``format.pack``), which the workers view in place. It ends with an
-END frame, or an ABORT frame when the trainer failed part-way (the workers then abandon what
-they loaded). Outcomes come back the other way in one all-gather (`gather_outcomes`).
+END frame (its length field: how many buckets came), or an ABORT frame when the trainer failed
+part-way (the workers then abandon what they loaded). Outcomes come back the other way in one
+all-gather (`gather_outcomes`).
+
+Who gets in. torch's ``TCPStore`` listens on every interface and has no authentication, so:
+
+- the store listens only on the address the trainer names (a socket bound there and handed to
+  the store), and rank 0's gloo device is bound to it too;
+- the group's keys live under a secret prefix, fresh per rendezvous, that workers are told over
+  the control channel: a process that reaches the port without it never finds the group, and
+  the workers wait for no one else;
+- with a sync's `Signer` (``wire.tags``) each bucket and the END frame are followed by a TAG
+  frame: the keyed tag of the header and payload, its nonce the frame's number, so a worker
+  refuses an altered, replayed or truncated stream before loading a byte of it.
 """
 
 from __future__ import annotations
 
+import secrets
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
@@ -21,57 +35,82 @@ import torch
 
 from . import format as fmt
 from .protocol import Outcome
+from .tags import Signer, check
 
 FRAME_BUCKET, FRAME_END, FRAME_ABORT = 1, 0, -1
 
 #: Bytes of one rank's outcome in `gather_outcomes` (a longer message is cut).
 OUTCOME_BYTES = 4096
 
+#: Bytes of a TAG frame: a ``wire.tags`` tag (``"<nonce>:<hex>"``), zero-padded.
+TAG_FRAME_BYTES = 64
 
-def _group(store: Any, host: str, rank: int, size: int, timeout: timedelta) -> Any:
-    from torch.distributed import ProcessGroupGloo
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _group(store: Any, host: str, rank: int, size: int, timeout: timedelta, secret: str) -> Any:
+    from torch.distributed import PrefixStore, ProcessGroupGloo
 
     options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
-    local = host in ("127.0.0.1", "localhost")
-    device = (
-        ProcessGroupGloo.create_device(hostname="127.0.0.1")
-        if local
-        else ProcessGroupGloo.create_default_device()
-    )
+    if host in _LOOPBACK:
+        device = ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    elif rank == 0:  # the trainer: on the address it was told to listen on, no other
+        device = ProcessGroupGloo.create_device(hostname=host)
+    else:  # a worker: its own host's address, which the trainer's host must reach
+        device = ProcessGroupGloo.create_default_device()
     options._devices = [device]
-    return ProcessGroupGloo(store, rank, size, options)
+    return ProcessGroupGloo(PrefixStore(f"weightsync-{secret}/", store), rank, size, options)
 
 
 def open_group(
-    host: str, port: int, size: int, timeout_s: float, join: Callable[[int], Future]
+    host: str, port: int, size: int, timeout_s: float, join: Callable[[int, str], Future]
 ) -> tuple[Any, Any]:
-    """Rank 0 of a group of ``size``: listen on ``host:port`` (0: a free port), start the
-    workers joining with ``join(store_port)`` (a future: their RPC runs while this rank waits in
-    the rendezvous), and return ``(group, store)`` (keep both). A worker's error (no extension,
-    unreachable host) is raised rather than the rendezvous timeout it causes."""
+    """Rank 0 of a group of ``size``: listen on ``host:port`` only (0: a free port), start the
+    workers joining with ``join(store_port, secret)`` (a future: their RPC, which carries the
+    secret, runs while this rank waits in the rendezvous), and return ``(group, store)`` (keep
+    both). A worker's error (no extension, unreachable host) is raised rather than the
+    rendezvous timeout it causes."""
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, size, True, timeout=timeout, wait_for_workers=False)
-    joined = join(store.port)
+    listening = socket.create_server((host, port), family=_family(host), backlog=128)
+    bound = listening.getsockname()[1]
+    fd = listening.detach()  # the store owns the socket from here on
     try:
-        group = _group(store, host, 0, size, timeout)
+        store = TCPStore(
+            host, bound, size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+        )
+    except BaseException:
+        socket.close(fd)
+        raise
+    secret = secrets.token_hex(16)
+    joined = join(store.port, secret)
+    try:
+        group = _group(store, host, 0, size, timeout, secret)
     finally:
         joined.result()
     return group, store
 
 
-def join_group(host: str, port: int, rank: int, size: int, timeout_s: float) -> tuple[Any, Any]:
-    """A worker's end of the group rank 0 opened at ``host:port``; ``(group, store)``."""
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def join_group(
+    host: str, port: int, rank: int, size: int, timeout_s: float, secret: str
+) -> tuple[Any, Any]:
+    """A worker's end of the group rank 0 opened at ``host:port`` under ``secret``;
+    ``(group, store)``."""
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore(host, port, size, False, timeout=timeout)
-    return _group(store, host, rank, size, timeout), store
+    return _group(store, host, rank, size, timeout, secret), store
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """Rank 0's ``tensor`` into every rank's (one frame of a stream)."""
     from torch.distributed import BroadcastOptions
 
     opts = BroadcastOptions()
@@ -79,68 +118,120 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def _frame(group: Any, kind: int, payload_len: int = 0) -> None:
-    _broadcast(group, torch.tensor([kind, payload_len], dtype=torch.int64))
+def _header(kind: int, payload_len: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, payload_len], dtype=torch.int64)
 
 
-def send_bucket(group: Any, bucket: fmt.Pairs) -> None:
-    """One bucket frame: its header, then the bucket's bytes."""
+def _tag_frame(tag: str) -> torch.Tensor:
+    frame = torch.zeros(TAG_FRAME_BYTES, dtype=torch.uint8)
+    data = tag.encode()
+    frame[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return frame
+
+
+def _signed(group: Any, signer: Signer | None, header: torch.Tensor, *payload: Any) -> None:
+    """Broadcast ``header`` and ``payload``, then (with ``signer``) the tag of what this rank
+    holds before sending: bytes changed on the way cannot match it."""
+    tag = None if signer is None else signer.sign(header.numpy(), *(p.numpy() for p in payload))
+    broadcast(group, header)
+    for part in payload:
+        broadcast(group, part)
+    if tag is not None:
+        broadcast(group, _tag_frame(tag))
+
+
+def send_bucket(group: Any, bucket: fmt.Pairs, signer: Signer | None = None) -> None:
+    """One bucket frame: its header, the bucket's bytes, and (with ``signer``) their tag."""
     payload = fmt.pack(bucket)
-    _frame(group, FRAME_BUCKET, payload.numel())
-    _broadcast(group, payload)
+    _signed(group, signer, _header(FRAME_BUCKET, payload.numel()), payload)
 
 
 def send(
     group: Any,
     buckets: Iterable[fmt.Pairs],
     received: Future,
-    send_one: Callable[[Any, fmt.Pairs], None] = send_bucket,
+    send_one: Callable[[Any, fmt.Pairs, Signer | None], None] = send_bucket,
+    signer: Signer | None = None,
 ) -> None:
-    """Broadcast ``buckets`` then END while the workers receive (``received``: their RPC).
+    """Broadcast ``buckets`` then END while the workers receive (``received``: their RPC);
+    with ``signer``, every frame but ABORT is tagged (the workers must hold its key).
 
     If the workers stop receiving part-way (their RPC returned: the engine refused), sending
     stops and that is raised. If producing or sending a bucket fails, an ABORT frame tells the
     workers to abandon the update; once they have (``received`` done) the trainer's error, the
     cause, is raised."""
+    count = 0
     try:
         for bucket in buckets:
             if received.done():
                 received.result()
                 raise RuntimeError("the engine's workers stopped receiving part-way")
-            send_one(group, bucket)
+            send_one(group, bucket, signer)
+            count += 1
     except BaseException:
         if not received.done():
-            _frame(group, FRAME_ABORT)
+            broadcast(group, _header(FRAME_ABORT))
         received.exception()  # wait: the workers have restored their layers
         raise
-    _frame(group, FRAME_END)
+    _signed(group, signer, _header(FRAME_END, count))
     received.result()
 
 
 class Receiver:
-    """A worker's view of one stream: iterates its (name, tensor) pairs, one bucket a frame."""
+    """A worker's view of one stream: iterates its (name, tensor) pairs, one bucket a frame.
 
-    def __init__(self, group: Any) -> None:
+    Args:
+        group: the worker's end of the group.
+        key: the sync's tag key (``wire.tags``) when the trainer tags the stream: every bucket
+            is checked before its tensors are yielded, and the END frame's count too.
+    """
+
+    def __init__(self, group: Any, key: str = "") -> None:
         self.group = group
+        self.key = key
         self.finished = False  # the END or ABORT frame was received
+        self._frames = 0  # tagged frames checked so far (the next one's nonce)
+        self._buckets = 0
+        self._draining = False
+
+    def _check(self, what: str, *parts: torch.Tensor) -> None:
+        if not self.key:
+            return
+        frame = torch.zeros(TAG_FRAME_BYTES, dtype=torch.uint8)
+        broadcast(self.group, frame)
+        if self._draining:
+            return
+        tag = bytes(frame.numpy()).rstrip(b"\0").decode(errors="replace")
+        check(self.key, tag, what, *(p.numpy() for p in parts), expect=self._frames)
+        self._frames += 1
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while not self.finished:
             header = torch.zeros(2, dtype=torch.int64)
-            _broadcast(self.group, header)
+            broadcast(self.group, header)
             kind, payload_len = (int(x) for x in header)
             if kind == FRAME_END:
                 self.finished = True
+                self._check("the stream's end", header)
+                if self.key and not self._draining and payload_len != self._buckets:
+                    raise RuntimeError(
+                        f"the stream ended after {self._buckets} buckets, the trainer sent "
+                        f"{payload_len}"
+                    )
                 return
             if kind == FRAME_ABORT:
                 self.finished = True
                 raise RuntimeError("the trainer aborted this weight update part-way")
             payload = torch.empty(payload_len, dtype=torch.uint8)
-            _broadcast(self.group, payload)
+            broadcast(self.group, payload)
+            self._check(f"bucket {self._buckets} of the stream", header, payload)
+            self._buckets += 1
             yield from fmt.views(payload.numpy())
 
     def drain(self) -> None:
-        """Consume the rest of the stream, so the trainer's broadcasts complete."""
+        """Consume the rest of the stream unchecked (nothing of it is loaded), so the trainer's
+        broadcasts complete."""
+        self._draining = True
         for _ in self:
             pass
 

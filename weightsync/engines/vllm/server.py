@@ -8,32 +8,87 @@ weightsync.engines.vllm.worker.WeightsyncWorker``; without the extension it is a
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
-from ...errors import EngineUnavailableError
+from ...errors import AuthError, EngineUnavailableError
 from ...wire.protocol import EngineFacts
 from . import stock
-from .control import WORKER_EXTENSION, HTTPControl
+from .control import TOKEN_MIDDLEWARE, WORKER_EXTENSION, HTTPControl
+from .in_engine.auth import TOKEN_ENV
 from .remote import RemoteVLLMEngine
 from .transports import TmpfsTransport, Transport
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
 class VLLMServerEngine(RemoteVLLMEngine):
     """A running ``vllm serve`` as a weightsync engine, controlled over HTTP.
 
+    Who may change the server's weights: with a token (``token=``, or ``WEIGHTSYNC_TOKEN`` in
+    this process's environment) every call carries it, and the server must be guarded by
+    weightsync's middleware (``--middleware`` `TOKEN_MIDDLEWARE`, the same token in its
+    environment): a server that answers a weight-changing route without it is refused. Without
+    a token only a server on loopback is used: one reached over the network would take new
+    weights from anyone who reaches it (docs/security.md), so it is refused unless
+    ``allow_unauthenticated=True`` says the network itself keeps others out.
+
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
+        token: weightsync's token (default: ``WEIGHTSYNC_TOKEN`` from the environment).
+        allow_unauthenticated: use a server reached over the network without a token.
         transport: ``"tmpfs"`` (same host or shared filesystem) or ``"gloo"`` (any host).
         **kwargs: see `RemoteVLLMEngine`.
+
+    Raises:
+        AuthError: before anything is sent, as said above.
     """
 
     name = "vllm-server"
     control: HTTPControl
 
     def __init__(
-        self, base_url: str, *, transport: str | Transport = "tmpfs", **kwargs: Any
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        allow_unauthenticated: bool = False,
+        transport: str | Transport = "tmpfs",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(HTTPControl(base_url), transport=transport, **kwargs)
+        token = token or os.environ.get(TOKEN_ENV) or None
+        host = urlparse(base_url).hostname or ""
+        if token is None and not allow_unauthenticated and not is_loopback(host):
+            raise AuthError(
+                f"refusing {base_url} without a token: a server reached over the network, "
+                f"not loopback, takes new weights from anyone who reaches it. Start it with "
+                f"--middleware {TOKEN_MIDDLEWARE} and {TOKEN_ENV}=<secret> in its environment "
+                f"and pass token=<secret> here (or set {TOKEN_ENV}); or pass "
+                "allow_unauthenticated=True if your network keeps everyone else out"
+            )
+        control = HTTPControl(base_url, token=token)
+        if token is not None and not control.guarded():
+            raise AuthError(
+                f"the server at {base_url} answers weight-changing calls without a token: it "
+                f"does not run weightsync's guard, so anyone who reaches it can change its "
+                f"weights and the token would protect nothing. Start it with --middleware "
+                f"{TOKEN_MIDDLEWARE} and {TOKEN_ENV} in its environment"
+            )
+        super().__init__(control, transport=transport, **kwargs)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
         """From the worker extension if the server loaded it, else from the server's config

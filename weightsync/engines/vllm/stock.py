@@ -112,7 +112,7 @@ def stage_checkpoint(transport: TmpfsTransport, source: str, tied: list[tuple[st
     from vllm.config import LoadConfig
 
     files = ckpt.weight_files(source, LoadConfig())
-    folder = transport.stage([])
+    folder = transport.stage([])[0]
     for f in files:
         (folder / os.path.basename(f)).symlink_to(os.path.abspath(f))
     where = {name: f for f in files for name in fmt.shapes([f])}

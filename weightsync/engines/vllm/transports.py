@@ -18,6 +18,10 @@ Each worker reports an `Outcome` whichever way the bytes came, read by
 leaves every worker serving. A failure while the trainer produces buckets happens before the
 engine is touched (files) or is told to the workers with an abort (gloo, weight-transfer).
 
+Every transport but vLLM's own backends tags each bucket with a key fresh per sync
+(``wire.tags``; ``tagged=False`` turns it off) and sends the key and tags on the control
+channel, so the workers load only the bytes this trainer produced (docs/security.md).
+
 ``VLLMBackendTransport`` is written against vLLM's API but never run here: no CUDA (see
 ``docs/engines.md``, "Deployments").
 """
@@ -41,9 +45,10 @@ from ... import timing
 from ...plan import Bucket
 from ...wire import format as fmt
 from ...wire import gloo
-from ...wire.files import KeptFiles, bucket_name, write_folder
+from ...wire.files import KeptFiles, Written, bucket_name, sign_file, write_folder
 from ...wire.protocol import InitInfo, Outcome, UpdateInfo, raise_failures
-from ...wire.scratch import scratch_dir
+from ...wire.scratch import private_dir, scratch_dir
+from ...wire.tags import Signer
 from .in_engine.backend import result_file
 
 logger = logging.getLogger(__name__)
@@ -63,15 +68,28 @@ def _serializing() -> Any:
     return timing.span("serialize")
 
 
-def _send_timed(group: Any, bucket: fmt.Pairs) -> None:
+def _send_timed(group: Any, bucket: fmt.Pairs, signer: Signer | None) -> None:
     with timing.span("serialize"):
-        gloo.send_bucket(group, bucket)
+        gloo.send_bucket(group, bucket, signer)
+
+
+def _signer(tagged: bool) -> Signer | None:
+    return Signer() if tagged else None
+
+
+def _proof(signer: Signer | None, tags: list[str] | None = None) -> dict[str, Any]:
+    """The RPC arguments that let the workers check what they load (none when untagged)."""
+    if signer is None:
+        return {}
+    return {"key": signer.key_hex} if tags is None else {"key": signer.key_hex, "tags": tags}
 
 
 class Transport(ABC):
     """Moves checkpoint-format buckets into every worker of one engine and has them loaded."""
 
     name: str
+    #: The workers check a keyed tag of every bucket (and adapter) this transport sends.
+    tagged: bool = False
 
     def connect(self, rpc: Rpc, world_size: int) -> None:
         """Set up whatever the transport needs with the engine's ``world_size`` workers."""
@@ -104,35 +122,47 @@ class TmpfsTransport(Transport):
             in place: RAM for one copy of the weights stays taken between syncs, and a sync
             costs about half (``docs/benchmarks.md``). False writes a fresh folder per sync and
             removes it after.
+        tagged: tag every file (``wire.tags``); the workers check them all before loading any.
+
+    Raises:
+        PermissionError: ``root`` lets others than its owner in (``wire.scratch``).
     """
 
     name = "tmpfs"
 
-    def __init__(self, root: str | Path | None = None, *, keep: bool = True) -> None:
+    def __init__(
+        self, root: str | Path | None = None, *, keep: bool = True, tagged: bool = True
+    ) -> None:
         self._owned = root is None
-        self.root = Path(root) if root is not None else scratch_dir(self, "tmpfs")
+        self.root = private_dir(root) if root is not None else scratch_dir(self, "tmpfs")
+        self.tagged = tagged
         self._updates = 0
         self._kept = KeptFiles(self.root / "kept") if keep else None
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        signer = _signer(self.tagged)
         if self._kept is not None:
-            names = self._kept.write(buckets, around=_serializing)
-            rpc("weightsync_load_files", {"folder": str(self._kept.folder), "files": names})
+            written = self._kept.write(buckets, around=_serializing, signer=signer)
+            kwargs = {"folder": str(self._kept.folder), "files": written.names}
+            rpc("weightsync_load_files", kwargs | _proof(signer, written.tags))
             return
-        folder = self.stage(buckets)
+        folder, written = self.stage(buckets, signer=signer)
         try:
-            rpc("weightsync_load_files", {"folder": str(folder)})
+            rpc("weightsync_load_files", {"folder": str(folder)} | _proof(signer, written.tags))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def stage(self, buckets: Iterable[Bucket], *, aliases: bool = True) -> Path:
-        """Write every bucket to a new folder under `root` and return it; the caller
-        removes it. Nothing reaches the engine here, so a failure (the trainer's, a full tmpfs)
-        leaves it untouched. ``aliases``: see ``wire.format``."""
+    def stage(
+        self, buckets: Iterable[Bucket], *, aliases: bool = True, signer: Signer | None = None
+    ) -> tuple[Path, Written]:
+        """Write every bucket to a new folder under `root` (tagged by ``signer`` if given) and
+        return it; the caller removes it. Nothing reaches the engine here, so a failure (the
+        trainer's, a full tmpfs) leaves it untouched. ``aliases``: see ``wire.format``."""
         self._updates += 1
         folder = self.root / f"update-{self._updates:06d}"
-        write_folder(buckets, folder, aliases=aliases, around=_serializing)
-        return folder
+        return folder, write_folder(
+            buckets, folder, aliases=aliases, around=_serializing, signer=signer
+        )
 
     def close(self) -> None:
         if self._kept is not None:
@@ -151,27 +181,40 @@ class GlooTransport(Transport):
             host; an address the engine's host can reach otherwise).
         port: the rendezvous port (0: a free one).
         timeout_s: how long a broadcast waits for a peer before failing.
+        tagged: tag every bucket in the stream (``wire.tags``); the workers check each before
+            loading it.
 
-    A server's workers hold one gloo group: one gloo engine per server at a time.
+    The rendezvous listens on ``host`` only, under a secret the workers get over the control
+    channel (``wire.gloo``). A server's workers hold one gloo group: one gloo engine per server
+    at a time.
     """
 
     name = "gloo"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 300.0,
+        *,
+        tagged: bool = True,
+    ) -> None:
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self.tagged = tagged
         self._group: Any = None
         self._store: Any = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
 
     def connect(self, rpc: Rpc, world_size: int) -> None:
-        def join(port: int) -> Future:
+        def join(port: int, secret: str) -> Future:
             kwargs = {
                 "host": self.host,
                 "port": port,
                 "world_size": world_size + 1,
                 "timeout_s": self.timeout_s,
+                "secret": secret,
             }
             return self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
 
@@ -182,8 +225,9 @@ class GlooTransport(Transport):
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
         if self._group is None:
             raise RuntimeError("GlooTransport.send before connect")
-        received = self._pool.submit(rpc, "weightsync_receive_gloo", {})
-        gloo.send(self._group, buckets, received, _send_timed)
+        signer = _signer(self.tagged)
+        received = self._pool.submit(rpc, "weightsync_receive_gloo", _proof(signer))
+        gloo.send(self._group, buckets, received, _send_timed, signer)
 
     def put_adapter(
         self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
@@ -192,9 +236,10 @@ class GlooTransport(Transport):
         host (the server may be on another one) and its path is returned."""
         if self._group is None:
             raise RuntimeError("GlooTransport.put_adapter before connect")
+        signer = _signer(self.tagged)
         kwargs = {"version": version, "config": json.dumps(config, default=str)}
-        received = self._pool.submit(rpc, "weightsync_receive_adapter", kwargs)
-        gloo.send(self._group, [list(tensors.items())], received, _send_timed)
+        received = self._pool.submit(rpc, "weightsync_receive_adapter", kwargs | _proof(signer))
+        gloo.send(self._group, [list(tensors.items())], received, _send_timed, signer)
         return next(o.value for o in received.result() if o.value is not None)
 
     def close(self) -> None:
@@ -284,6 +329,11 @@ class WeightTransferTransport(Transport):
         host: gloo: address the trainer listens on and the workers connect to.
         port: gloo: the rendezvous port (0: a free one).
         timeout_s: gloo: how long an operation waits for a peer before failing.
+        tagged: tag every bucket (``wire.tags``): the key and a file's tag travel in the
+            ``update_weights`` payload, a stream's tags in the stream.
+
+    With a server, pass an ``HTTPControl(url, token=...)`` as ``client`` when the server checks
+    weightsync's token (vLLM's own HTTP client sends none).
     """
 
     def __init__(
@@ -295,15 +345,19 @@ class WeightTransferTransport(Transport):
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 300.0,
+        tagged: bool = True,
     ) -> None:
         self.client = client
         self.inner = _one_of("inner", inner, ("files", "gloo"))
         self.name = f"weight-transfer:{inner}"
         self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.tagged = tagged
         self.root: Path | None = None
         self._owned = inner == "files" and root is None
         if inner == "files":
-            self.root = Path(root) if root is not None else scratch_dir(self, "weight-transfer")
+            self.root = (
+                private_dir(root) if root is not None else scratch_dir(self, "weight-transfer")
+            )
         self._world_size = 0
         self._updates = 0
         self._group: Any = None
@@ -319,8 +373,10 @@ class WeightTransferTransport(Transport):
             return
         size = world_size + 1
 
-        def join(port: int) -> Future:
-            info = InitInfo(host=self.host, port=port, world_size=size, timeout_s=self.timeout_s)
+        def join(port: int, secret: str) -> Future:
+            info = InitInfo(
+                host=self.host, port=port, world_size=size, timeout_s=self.timeout_s, secret=secret
+            )
             return self._pool.submit(
                 _call, self.client, "init_weight_transfer_engine", asdict(info)
             )
@@ -353,13 +409,14 @@ class WeightTransferTransport(Transport):
         if self.root is not None:
             self._updates += 1
             folder = self.root / f"update-{self._updates:06d}"
-            folder.mkdir(parents=True)
+            folder.mkdir(mode=0o700, parents=True)
+        signer = _signer(self.tagged)
         try:
             self._start(rpc)
             if folder is not None:
-                failure = self._stream_files(folder, buckets)
+                failure = self._stream_files(folder, buckets, signer)
             else:
-                failure = self._stream_gloo(buckets)
+                failure = self._stream_gloo(buckets, signer)
             outcomes = self._finish(folder)
         finally:
             if folder is not None:
@@ -375,7 +432,9 @@ class WeightTransferTransport(Transport):
             ),
         )
 
-    def _stream_files(self, folder: Path, buckets: Iterable[Bucket]) -> BaseException | None:
+    def _stream_files(
+        self, folder: Path, buckets: Iterable[Bucket], signer: Signer | None
+    ) -> BaseException | None:
         """Write and load the buckets one file each; returns the trainer-side failure."""
         loading: Future | None = None
         previous: Path | None = None
@@ -384,10 +443,11 @@ class WeightTransferTransport(Transport):
                 path = folder / bucket_name(i)
                 with timing.span("serialize"):
                     fmt.write(bucket, path)
+                    proof = _proof(signer, [sign_file(signer, path)] if signer else None)
                 if loading is not None and previous is not None:
                     loading.result()
                     previous.unlink()
-                update = asdict(UpdateInfo(folder=str(folder), files=[path.name]))
+                update = asdict(UpdateInfo(folder=str(folder), files=[path.name], **proof))
                 loading = self._pool.submit(_call, self.client, "update_weights", update)
                 previous = path
             if loading is not None:
@@ -406,12 +466,14 @@ class WeightTransferTransport(Transport):
                 logger.exception("weightsync: telling the workers to abandon the update failed")
             return error
 
-    def _stream_gloo(self, buckets: Iterable[Bucket]) -> BaseException | None:
+    def _stream_gloo(
+        self, buckets: Iterable[Bucket], signer: Signer | None
+    ) -> BaseException | None:
         """Broadcast the buckets while the workers receive; returns the trainer-side failure."""
-        update = asdict(UpdateInfo(gloo=True))
+        update = asdict(UpdateInfo(gloo=True, **_proof(signer)))
         received = self._pool.submit(_call, self.client, "update_weights", update)
         try:
-            gloo.send(self._group, buckets, received, _send_timed)
+            gloo.send(self._group, buckets, received, _send_timed, signer)
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
             return error
         return None

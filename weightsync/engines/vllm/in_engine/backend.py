@@ -36,6 +36,7 @@ import torch
 
 from ....wire import format as fmt
 from ....wire import gloo
+from ....wire.files import check_files
 from ....wire.protocol import InitInfo, Outcome, UpdateInfo
 from .model_ops import abandon_layerwise_reload, has_cpu_moe, repack_cpu_moe
 
@@ -145,6 +146,7 @@ def _make_engine_class() -> type:
                     1 + self.rank,
                     int(init_info.world_size),
                     float(init_info.timeout_s),
+                    init_info.secret,
                 )
                 self._group_size = int(init_info.world_size)
             except Exception:  # the trainer's rendezvous times out and says so
@@ -169,7 +171,7 @@ def _make_engine_class() -> type:
             self._gloo = self._gloo or info.gloo
             if info.abort:
                 self._fail(RuntimeError(f"the trainer aborted the update: {info.abort}"))
-            receiver = gloo.Receiver(self._group) if info.gloo and self._group else None
+            receiver = gloo.Receiver(self._group, info.key) if info.gloo and self._group else None
             if info.gloo and receiver is None:
                 self._fail(RuntimeError("no gloo group: init_weight_transfer_engine with a host"))
             if not self._error:
@@ -181,7 +183,8 @@ def _make_engine_class() -> type:
                 receiver.drain()  # the trainer's broadcasts complete even after a failure
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
-            self._load(update_info, gloo.Receiver(self._group) if update_info.gloo else None)
+            receiver = gloo.Receiver(self._group, update_info.key) if update_info.gloo else None
+            self._load(update_info, receiver)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -208,6 +211,8 @@ def _make_engine_class() -> type:
                 disable_mtp_completeness_check,
             )
 
+            if receiver is None and info.key:  # every file of this chunk, before any is read
+                check_files(info.folder, info.files, info.key, info.tags)
             pairs = (
                 iter(receiver)
                 if receiver is not None

@@ -33,7 +33,7 @@ from typing import Any
 
 from ....wire import format as fmt
 from ....wire import gloo, scratch
-from ....wire.files import MappedFiles
+from ....wire.files import MappedFiles, check_files
 from ....wire.protocol import EngineFacts, Outcome
 from . import backend, ledger, model_ops
 from . import checkpoint as ckpt
@@ -87,16 +87,42 @@ class WeightsyncWorker:
 
     # --- loading -------------------------------------------------------------------------------
 
-    def weightsync_load_files(self, folder: str, files: list[str] | None = None) -> dict:
+    def weightsync_load_files(
+        self,
+        folder: str,
+        files: list[str] | None = None,
+        key: str = "",
+        tags: list[str] | None = None,
+    ) -> dict:
         """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport): the kept
         ``files``, read through mappings held between syncs, or every file of a folder written
-        for this sync alone (``files`` None: its bucket files, in order)."""
-        if files is None:
-            names = sorted(p.name for p in Path(folder).glob("bucket-*.safetensors"))
-            return model_ops.reload(self, fmt.read(Path(folder) / n for n in names)).to_json()
-        if self._weightsync_mapped is None:
-            self._weightsync_mapped = MappedFiles()
-        return model_ops.reload(self, self._weightsync_mapped.read(folder, files)).to_json()
+        for this sync alone (``files`` None: its bucket files, in order). With ``key``, every
+        file is checked against its tag (``wire.tags``) before the first is loaded: a file
+        someone else rewrote refuses the sync with nothing loaded."""
+        try:
+            if files is None:
+                names = sorted(p.name for p in Path(folder).glob("bucket-*.safetensors"))
+                if key:
+                    check_files(folder, names, key, tags or [])
+                stream = fmt.read(Path(folder) / n for n in names)
+            else:
+                if self._weightsync_mapped is None:
+                    self._weightsync_mapped = MappedFiles()
+                stream = self._weightsync_mapped.read(folder, files, key, tags)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer, see the module docstring)
+            return self._weightsync_outcome(e)
+        return model_ops.reload(self, stream).to_json()
+
+    def weightsync_check_files(
+        self, folder: str, files: list[str], key: str, tags: list[str]
+    ) -> dict:
+        """Check files the trainer wrote for vLLM's own loaders (an adapter folder) against
+        their tags before the trainer asks vLLM to read them."""
+        try:
+            check_files(folder, files, key, tags)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome()
 
     def weightsync_reload_checkpoint(self, path: str = "") -> dict:
         """Re-read a checkpoint folder (the one the engine started from when ``path`` is
@@ -114,35 +140,39 @@ class WeightsyncWorker:
             return self._weightsync_outcome(e)
         return model_ops.reload(self, stream).to_json()
 
-    def weightsync_join_gloo(self, host: str, port: int, world_size: int, timeout_s: float) -> dict:
-        """Join the trainer's gloo group as rank ``1 + worker rank`` (the trainer is rank 0)."""
+    def weightsync_join_gloo(
+        self, host: str, port: int, world_size: int, timeout_s: float, secret: str
+    ) -> dict:
+        """Join the trainer's gloo group as rank ``1 + worker rank`` (the trainer is rank 0),
+        under the rendezvous' ``secret`` (``wire.gloo``)."""
         try:
             self._weightsync_group, self._weightsync_store = gloo.join_group(
-                host, int(port), 1 + self.rank, int(world_size), float(timeout_s)
+                host, int(port), 1 + self.rank, int(world_size), float(timeout_s), secret
             )
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
         return self._weightsync_outcome()
 
-    def weightsync_receive_gloo(self) -> dict:
-        """Load what the trainer broadcasts over the gloo group until its END frame. On a
+    def weightsync_receive_gloo(self, key: str = "") -> dict:
+        """Load what the trainer broadcasts over the gloo group until its END frame, each
+        bucket checked against its tag first when the trainer tags the stream (``key``). On a
         failure here the stream is drained first, so the trainer's broadcasts complete."""
         if self._weightsync_group is None:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
-        receiver = gloo.Receiver(self._weightsync_group)
+        receiver = gloo.Receiver(self._weightsync_group, key)
         outcome = model_ops.reload(self, iter(receiver))
         if not outcome.ok:
             receiver.drain()
         return outcome.to_json()
 
-    def weightsync_receive_adapter(self, version: int, config: str) -> dict:
+    def weightsync_receive_adapter(self, version: int, config: str, key: str = "") -> dict:
         """Receive an adapter version over the gloo group and write it where this server's
         LoRA loader reads it (rank 0; the trainer may be on another host): a new versioned
         folder in a scratch folder of this host, the two newest kept (a request admitted before
         a swap may still read the previous one). Its path is the outcome's value (rank 0)."""
         if self._weightsync_group is None:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
-        receiver = gloo.Receiver(self._weightsync_group)
+        receiver = gloo.Receiver(self._weightsync_group, key)
         try:
             tensors = [(name, t.clone()) for name, t in receiver]  # views share one payload
             if self.rank != 0:

@@ -1,0 +1,117 @@
+"""The token guard of a ``vllm serve`` server: an ASGI middleware vLLM loads into its API server.
+
+Start the server with ``--middleware weightsync.engines.vllm.in_engine.auth.RequireToken`` and
+the token in its environment (``WEIGHTSYNC_TOKEN``); the trainer passes the same token
+(``VLLMServerEngine(url, token=...)`` or ``WEIGHTSYNC_TOKEN``), sent as the
+``X-Weightsync-Token`` header.
+
+Why weightsync's own guard: vLLM's ``--api-key`` checks only paths under ``/v1``, ``/v2``,
+``/inference`` and ``/cohere`` (``vllm/entrypoints/serve/middleware/authenticate.py``), while
+the routes that change a server's weights -- ``/collective_rpc``, ``/sleep``, ``/wake_up``,
+``/pause``, the weight-transfer routes -- are elsewhere, open to anyone who reaches the port.
+
+Deny by default: every request needs the token except those on `OPEN` (inference and health
+routes, which read the served weights and change none). A route vLLM adds in a later release is
+therefore guarded until someone decides otherwise. Rollout clients keep using the inference
+routes without weightsync's token (guard those with ``--api-key`` if needed; the two headers do
+not collide).
+
+Like the rest of ``in_engine/``, stdlib only: it runs inside vLLM's process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+#: The server's environment variable holding the token (and the trainer's default).
+TOKEN_ENV = "WEIGHTSYNC_TOKEN"
+
+#: The request header carrying it.
+HEADER = "x-weightsync-token"
+
+#: Shortest token accepted: a guessable token guards nothing.
+MIN_TOKEN_CHARS = 16
+
+#: Paths served without the token: they generate from, or describe, the weights served now.
+OPEN = frozenset(
+    {
+        "/health",
+        "/ping",
+        "/ready",
+        "/readyz",
+        "/load",
+        "/version",
+        "/metrics",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/tokenize",
+        "/detokenize",
+        "/classify",
+        "/pooling",
+        "/score",
+        "/rerank",
+        "/v1/score",
+        "/v1/rerank",
+        "/inference/v1/generate",
+    }
+)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class RequireToken:
+    """ASGI middleware: a request to anything not in `OPEN` needs ``X-Weightsync-Token``.
+
+    Raises:
+        RuntimeError: at server start, when ``WEIGHTSYNC_TOKEN`` is unset or shorter than
+            `MIN_TOKEN_CHARS` (a guard without a token would guard nothing: refuse to start).
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        token = os.environ.get(TOKEN_ENV, "")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise RuntimeError(
+                f"weightsync's token guard needs {TOKEN_ENV} in the server's environment, at "
+                f"least {MIN_TOKEN_CHARS} characters (e.g. python -c 'import secrets; "
+                f"print(secrets.token_urlsafe(32))'); it is "
+                f"{'unset' if not token else 'too short'}"
+            )
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):  # lifespan: nothing to guard
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
+        if path in OPEN or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = json.dumps(
+            {"error": f"weightsync token required for {path} ({HEADER} header)"}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def _allowed(self, scope: Scope) -> bool:
+        given = [v for k, v in scope.get("headers", []) if k.lower() == HEADER.encode()]
+        return len(given) == 1 and hmac.compare_digest(given[0], self._token)
