@@ -96,6 +96,17 @@ def stale_sync(model: Any, engine: VLLMEngine, prefix: str) -> None:
     )
 
 
+def full_merged_and_level2(engine: VLLMEngine, oracle, trained, lora, base) -> None:
+    """From the checkpoint's base: full training, then LoRA merged, then a level-2 sleep and
+    full training again, each sync equal to the fresh engine ``oracle``."""
+    FullSync().sync(base, engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+    FullSync().sync(base, engine)
+    synced_exactly(FullSync(lora="merge"), lora, engine, oracle)
+    level2(engine)
+    synced_exactly(FullSync(), trained, engine, oracle)
+
+
 def level2(engine: VLLMEngine) -> None:
     """A level-2 sleep as a GPU makes it: the engine records it, the weights are garbage."""
     engine.sleep(2)
@@ -124,12 +135,7 @@ def test_online_fp8_is_an_engine_fact_shown_in_the_plan(fp8, trained):
 
 def test_online_fp8_full_merged_lora_and_level2_equal_a_fresh_engine(fp8, trained, lora, base):
     engine, oracle = fp8
-    FullSync().sync(base, engine)
-    synced_exactly(FullSync(), trained, engine, oracle)
-    FullSync().sync(base, engine)
-    synced_exactly(FullSync(lora="merge"), lora, engine, oracle)
-    level2(engine)
-    synced_exactly(FullSync(), trained, engine, oracle)
+    full_merged_and_level2(engine, oracle, trained, lora, base)
 
 
 def test_online_fp8_verify_passes_correct_and_catches_a_stale_weight(fp8, trained, base):
@@ -239,12 +245,7 @@ def test_prequantized_full_merged_lora_and_level2_equal_a_fresh_engine(
     prequantized, trained, lora, base
 ):
     _, engine, oracle = prequantized
-    FullSync().sync(base, engine)
-    synced_exactly(FullSync(), trained, engine, oracle)
-    FullSync().sync(base, engine)
-    synced_exactly(FullSync(lora="merge"), lora, engine, oracle)
-    level2(engine)
-    synced_exactly(FullSync(), trained, engine, oracle)
+    full_merged_and_level2(engine, oracle, trained, lora, base)
 
 
 def test_prequantized_verify_passes_correct_and_catches_a_stale_weight(prequantized, trained, base):
