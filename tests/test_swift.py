@@ -195,6 +195,7 @@ def test_lora_served_sleep1(swift_env, checkpoint, dataset, tmp_path):
     assert probe["serves_lora"] and probe["lora_id"] != 111
     assert probe["routed_lora_ids"] == [probe["lora_id"]] * STEPS
     assert probe["strategies"] == ["FullSync(lora=separate)"] + ["AdapterSync"] * (STEPS - 1)
+    assert probe["lora_B_scaled"] and set(probe["lora_B_scaled"]) == {1.0}  # the adapter: by value
 
 
 def test_swift_own_sync_serves_a_stale_tied_head(swift_env, checkpoint, dataset, tmp_path):
@@ -214,6 +215,27 @@ def test_swift_own_sync_serves_a_stale_tied_head(swift_env, checkpoint, dataset,
     stale, fixed = probe["after_swift_sync"], probe["after_head_sent"]
     assert stale["engine"] != stale["trainer"]
     assert fixed["engine"] == fixed["trainer"] and fixed["max_logprob_diff"] <= 1e-3
+
+
+def test_swift_own_lora_sync_scales_lora_b_and_drifts_the_base(
+    swift_env, checkpoint, dataset, tmp_path
+):
+    """swift's own sync with the adapter served (vllm_enable_lora, no sleep): vLLM scales the
+    adapter swift hands it by reference, so every adapter-only sync multiplies the trainer's own
+    ``lora_B`` by lora_alpha/r (4 here), and swift's merge into the base in place and back
+    leaves the frozen base changed. test_lora_served_sleep1 runs the served adapter with
+    weightsync: ``lora_B`` untouched, the base bit-identical, the engine exact."""
+    probe = swift_rlhf(
+        checkpoint, dataset, tmp_path, "--tuner_type", "lora", "--lora_rank", "8",
+        "--lora_alpha", "32", "--target_modules", "all-linear", "--vllm_enable_lora", "true",
+        "--sleep_level", "0", arch="llama", callbacks=["probe"],
+    )  # fmt: skip
+    assert probe["lora_B_scaled"] and all(
+        r == pytest.approx(32 / 8, rel=1e-5) for r in probe["lora_B_scaled"]
+    ), probe["lora_B_scaled"]
+    assert probe["frozen_changed"], "swift's in-place merge and unmerge left the base as it was"
+    stale = probe["after_swift_sync"]  # the trainer's model now holds lora_B x4: not the engine's
+    assert stale["engine"] != stale["trainer"] or stale["max_logprob_diff"] > 1e-3, stale
 
 
 def test_import_without_swift():

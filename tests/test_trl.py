@@ -113,7 +113,8 @@ def reward_distinct(completions, **kwargs):
     return [float(len(set(c))) for c in completions]
 
 
-def make_trainer(checkpoint, tokenizer, out, *, lora=False, sleep=False, lr=2e-2):
+def make_trainer(checkpoint, tokenizer, out, *, lora=False, sleep=False, lr=2e-2, server=None):
+    """A tiny GRPO trainer; ``server``: the URL of a server to generate on (server mode)."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -121,7 +122,8 @@ def make_trainer(checkpoint, tokenizer, out, *, lora=False, sleep=False, lr=2e-2
     args = GRPOConfig(
         output_dir=str(out),
         use_vllm=True,
-        vllm_mode="colocate",
+        vllm_mode="server" if server else "colocate",
+        vllm_server_base_url=server,
         vllm_enable_sleep_mode=sleep,
         vllm_max_model_length=128,
         per_device_train_batch_size=4,
@@ -162,7 +164,7 @@ class Run:
         self.before_sync: list[dict] = []  # T.compare results before syncs 2.. (no sleep only)
         self.reports: list = []
         self._probing = False
-        llm = self.vg.llm
+        llm = self.vg.vllm_client if self.vg.mode == "server" else self.vg.llm
         generate = llm.generate
 
         def probe(*args, **kwargs):
@@ -193,7 +195,8 @@ class Run:
 
     def train(self):
         self.trainer.train()
-        self.trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
+        if self.vg.mode == "colocate":
+            self.vg.llm.llm_engine.engine_core.shutdown()
         return self
 
     def assert_matched_every_generate(self):
@@ -360,6 +363,63 @@ def test_trl_own_sync_serves_stale_tied_head(checkpoint, tokenizer, tmp_path):
     assert report.strategy == "FullSync"
     T.assert_matches(trainer.model, engine)
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lora_server(checkpoint, tmp_path_factory):
+    """A ``vllm serve`` of the Llama checkpoint that serves LoRA, guarded by weightsync's token:
+    what TRL's server mode generates on (``trl vllm-serve`` only execs ``vllm serve``)."""
+    import secrets
+
+    from weightsync.engines import TOKEN_MIDDLEWARE
+
+    token = secrets.token_urlsafe(24)
+    args = ["--enable-lora", "--max-lora-rank", "8", "--middleware", TOKEN_MIDDLEWARE]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = T.VLLMServer(checkpoint["llama"], log, args=args, env={"WEIGHTSYNC_TOKEN": token})
+    with T.serving(server):
+        yield server, token
+
+
+def test_server_mode_lora_served(checkpoint, tokenizer, tmp_path, lora_server):
+    """TRL's server mode on a guarded ``vllm serve``: the trainer is created under
+    ``server_mode`` (TRL's NCCL group needs CUDA), weightsync moves the weights (tmpfs, with the
+    token) and TRL's requests name the served adapter, so a step sends only the adapter. Then
+    another client reloads the server's checkpoint behind the trainer's back: the server's own
+    epoch says so, and the next sync restores the base instead of sending only the adapter."""
+    import requests
+
+    from weightsync.integrations.trl import server_mode
+
+    server, token = lora_server
+    with server_mode(token):
+        trainer = make_trainer(
+            checkpoint["llama"], tokenizer, tmp_path, lora=True, server=server.url
+        )
+    vg = trainer.vllm_generation
+    with pytest.raises(RuntimeError, match="use_weightsync"):
+        vg.sync_weights()  # TRL's own push, without its group
+    with pytest.raises(ValueError, match="TRL does not sleep a server"):
+        use_weightsync(trainer, serve_lora=True, sleep_level=1)
+    syncer = use_weightsync(trainer, serve_lora=True)  # the token: the one TRL's client sends
+    run = Run(trainer, syncer).train()
+    run.assert_matched_every_generate()
+    run.assert_differed_before_syncs()
+    assert [r.strategy for r in run.reports] == ["FullSync(lora=separate)", "AdapterSync"]
+    assert vg.vllm_client.model == syncer.engine.served_adapter is not None
+
+    body = {
+        "method": "reload_weights",
+        "kwargs": {"weights_path": checkpoint["llama"], "is_checkpoint_format": True},
+    }
+    r = requests.post(
+        server.url + "/collective_rpc", json=body, headers={"X-Weightsync-Token": token}
+    )
+    assert r.status_code == 200, r.text
+    vg.sync_weights()
+    assert run.reports[-1].strategy == "FullSync(lora=separate)"
+    T.assert_matches(vg.model, syncer.engine)
+    syncer.engine.close()
 
 
 def test_import_without_trl():

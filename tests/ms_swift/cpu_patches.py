@@ -24,6 +24,8 @@ JSON to ``$WEIGHTSYNC_PROBE_OUT`` at the end:
 - before every sync after the first (without sleep), that the engine differs, so a sync that
   wrote nothing fails; each sync's strategy;
 - that the frozen weights (a LoRA run's base) come out of training bit-identical;
+- around every sync, by how much it scaled the trainer's own ``lora_B`` (``lora_B_scaled``: the
+  largest ratio of a ``lora_B`` after to before, 1.0 where nothing touched them);
 - before training, what `use_weightsync` says to each option it refuses, set on the real
   trainer alone and restored (`refusals`).
 """
@@ -155,6 +157,7 @@ class Probe(TrainerCallback):
             "before_sync": [],
             "strategies": [],
             "routed_lora_ids": [],
+            "lora_B_scaled": [],
             "refusals": refusals(trainer) if syncer is not None else [],
         }
         self.engine = syncer.engine if syncer is not None else VLLMEngine(trainer.engine)
@@ -174,6 +177,21 @@ class Probe(TrainerCallback):
             return infer(*a, **kw)
 
         trainer.engine.infer = probed_infer
+        move = trainer._move_model_to_vllm
+
+        def scale_recorded(*a, **kw):  # swift's sync, or weightsync's in its place
+            before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+            out = move(*a, **kw)
+            ratios = [
+                float((p.detach().abs().max() / before[n].abs().max()).item())
+                for n, p in model.named_parameters()
+                if n in before and bool(before[n].any())
+            ]
+            if ratios:  # lora_B starts at zero: nothing to measure at the first sync
+                self.record["lora_B_scaled"].append(max(ratios))
+            return out
+
+        trainer._move_model_to_vllm = scale_recorded
         if syncer is not None:
             sync = syncer.sync
 
@@ -200,7 +218,10 @@ class Probe(TrainerCallback):
             ],
             frozen=len(self.frozen),
         )
-        if self.sent is not None:
+        if self.sent is not None and self.frozen:
+            trainer._move_model_to_vllm()  # swift's own sync of the final weights (LoRA)
+            self.record["after_swift_sync"] = T.compare(self.model, engine)
+        elif self.sent is not None:
             # swift's own sync of the final weights, then the one thing it left out.
             trainer._move_model_to_vllm()
             self.record["swift_sent"] = sorted(set(self.sent))

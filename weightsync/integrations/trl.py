@@ -32,21 +32,40 @@ What it changes, and why each piece is needed:
   down first, so the two never hold memory together. TRL's ``llm.generate`` calls are given the
   served adapter's ``lora_request``.
 
-Only colocate mode with one engine per process and no sharded parameters is supported: server
-mode moves weights over vLLM's NCCL weight transfer (a different engine adapter), and FSDP or
-DeepSpeed ZeRO-3 parameters must be gathered first (not handled here yet). Each is refused with
-an error rather than syncing wrongly.
+Server mode (``vllm_mode="server"``: the trainer generates on a ``vllm serve`` / ``trl vllm-serve``
+server through TRL's ``VLLMClient``) is synced through `VLLMServerEngine` instead of TRL's
+client-side push (one NCCL broadcast per tensor, GPU only): tmpfs files on the same host, gloo
+or vLLM's weight-transfer API across hosts, with weightsync's token on every weight-changing
+call. The server must run weightsync's worker extension (``--worker-extension-cls``) in dev mode;
+a server without what weightsync needs is refused by the engine, before anything is sent. TRL
+opens its own NCCL weight-transfer group while the trainer is created (in ``__init__``, before
+any call of ours), which needs CUDA and a server started with TRL's NCCL weight-transfer
+config; where that cannot work (a CPU trainer, a server without NCCL) or is not wanted, create
+the trainer under `server_mode`, which skips only that step and gives TRL's client the token. With
+``serve_lora=True`` TRL's generation requests name the served adapter (``VLLMClient.model``).
+
+Refused rather than synced wrongly: tensor parallelism in the trainer's own engine (colocate),
+several trainer processes in server mode, and FSDP or DeepSpeed ZeRO-3 parameters (they must be
+gathered first, not handled here yet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
+import os
 import typing
+from collections.abc import Iterator
 from typing import Any
 
+from ..engines.base import Engine
+from ..engines.vllm.in_engine.auth import HEADER as TOKEN_HEADER
+from ..engines.vllm.in_engine.auth import TOKEN_ENV
 from ..engines.vllm.inprocess import VLLMEngine
+from ..engines.vllm.server import VLLMServerEngine
+from ..engines.vllm.transports import Transport
 from ..state import Syncer
 
 logger = logging.getLogger(__name__)
@@ -59,17 +78,21 @@ def use_weightsync(
     sleep_level: int = 2,
     max_lora_rank: int | None = None,
     verify: bool = False,
+    token: str | None = None,
+    transport: str | Transport = "tmpfs",
+    allow_unauthenticated: bool = False,
 ) -> Syncer:
     """Route ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
     Call it once, after creating the trainer and before ``trainer.train()``.
 
     Args:
-        trainer: a TRL trainer with ``use_vllm=True, vllm_mode="colocate"`` (it holds
-            ``trainer.vllm_generation``).
+        trainer: a TRL trainer with ``use_vllm=True`` (it holds ``trainer.vllm_generation``),
+            in ``vllm_mode="colocate"`` or ``"server"``.
         serve_lora: the engine applies the trainer's LoRA adapter at generation time instead of
-            receiving merged weights; the trainer's model must be a ``peft.PeftModel``. The
-            engine is recreated with LoRA enabled if it was created without (see module doc).
+            receiving merged weights; the trainer's model must be a ``peft.PeftModel``. In
+            colocate mode the engine is recreated with LoRA enabled if it was created without
+            (see module doc); a server must have been started with ``--enable-lora``.
         sleep_level: the level TRL's sleeps use when ``vllm_enable_sleep_mode=True``. TRL's own
             is 2, which discards the weights, so every step resends all of them. Level 1
             offloads them instead and keeps them: with ``serve_lora`` a step then sends only the
@@ -79,21 +102,31 @@ def use_weightsync(
         verify: check every sync against the trainer on a canary prompt. Verification
             generates, so it needs the KV cache awake: it cannot run with sleep mode, where TRL
             wakes the KV cache only after the sync.
+        token: server mode: weightsync's token for the server (default: the one TRL's client
+            was given by `server_mode`, else ``WEIGHTSYNC_TOKEN``), see `VLLMServerEngine`.
+        transport: server mode: how the bytes travel (``"tmpfs"``: same host, ``"gloo"``: any
+            host, or a `Transport` such as ``WeightTransferTransport``).
+        allow_unauthenticated: server mode: use a server reached over the network without a
+            token (see `VLLMServerEngine`).
 
     Returns:
-        The `Syncer` now used by every sync (``.engine`` is the
-        `VLLMEngine`; ``.engine.lora_request`` the served adapter).
+        The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine`, or the
+        `VLLMServerEngine` in server mode; ``.engine.lora_request`` / ``.engine.served_adapter``
+        the served adapter).
 
     Raises:
-        ValueError: the trainer does not use vLLM in colocate mode, its parameters are sharded,
-            ``serve_lora`` without a PEFT model, a sleep level other than 1 or 2 (or one given
-            without sleep mode), or the trainer was already integrated.
+        ValueError: the trainer does not generate with vLLM, its parameters are sharded,
+            ``serve_lora`` without a PEFT model (or on a server without LoRA), a sleep level
+            other than 1 or 2 (or one given without sleep mode, or in server mode), or the
+            trainer was already integrated.
+        AuthError, EngineUnavailableError: server mode: the server cannot be used (see
+            `VLLMServerEngine`), before anything is sent.
     """
     vg = getattr(trainer, "vllm_generation", None)
     if vg is None:
         raise ValueError(
-            f"{type(trainer).__name__} has no vllm_generation: create it with use_vllm=True and "
-            "vllm_mode='colocate' so that it generates with an in-process vLLM engine"
+            f"{type(trainer).__name__} has no vllm_generation: create it with use_vllm=True so "
+            "that it generates with vLLM (vllm_mode='colocate' or 'server')"
         )
     _check_supported(vg, sleep_level, verify)
     if getattr(vg, "weightsync", None) is not None:
@@ -110,14 +143,29 @@ def use_weightsync(
             "serve_lora=True needs a LoRA-trained model (a peft.PeftModel, e.g. GRPOTrainer(..., "
             "peft_config=LoraConfig(...))); this trainer trains every weight"
         )
-    if serve_lora and vg.llm.llm_engine.vllm_config.lora_config is None:
-        _recreate_llm_with_lora(vg, max_lora_rank or _lora_rank_for(model))
-
-    engine = VLLMEngine(vg.llm)
-    if sleep_level != 2:
-        _sleep_at(vg.llm, sleep_level)
-    if serve_lora:
-        _generate_with_adapter(vg.llm, engine)
+    engine: Engine
+    if vg.mode == "server":
+        engine = VLLMServerEngine(
+            vg.vllm_client.base_url,
+            token=token or vg.vllm_client.session.headers.get(TOKEN_HEADER),
+            transport=transport,
+            allow_unauthenticated=allow_unauthenticated,
+        )
+        if serve_lora and not engine.serves_lora:
+            engine.close()
+            raise ValueError(
+                f"serve_lora=True, but the server at {vg.vllm_client.base_url} does not serve "
+                "LoRA: start it with --enable-lora --max-lora-rank <r or more> (and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), or use serve_lora=False (merged sync)"
+            )
+    else:
+        if serve_lora and vg.llm.llm_engine.vllm_config.lora_config is None:
+            _recreate_llm_with_lora(vg, max_lora_rank or _lora_rank_for(model))
+        engine = VLLMEngine(vg.llm)
+        if sleep_level != 2:
+            _sleep_at(vg.llm, sleep_level)
+        if serve_lora:
+            _generate_with_adapter(vg.llm, engine)
 
     syncer = Syncer(
         engine,
@@ -125,17 +173,22 @@ def use_weightsync(
         rollout_lora=serve_lora,
         verify=verify,
     )
+    base_model = vg.vllm_client.model if vg.mode == "server" else None
 
     def sync_weights() -> None:
         # TRL's order: wake the weights before writing them (trl#5142), KV cache at generate.
-        if vg.enable_sleep_mode:
+        if vg.mode == "colocate" and vg.enable_sleep_mode:
             from trl.generation.vllm_generation import empty_cache
 
             empty_cache()
             engine.wake_up(tags=["weights"])
         report = syncer.sync(vg.model)
-        # generate() re-syncs while this is set: this sync restored what the sleep discarded.
-        vg._llm_weights_sleeping = False
+        if isinstance(engine, VLLMServerEngine):
+            # TRL's requests name the model to generate with: the adapter just loaded, if served.
+            vg.vllm_client.model = engine.served_adapter or base_model
+        else:
+            # generate() re-syncs while this is set: this sync restored what the sleep discarded.
+            vg._llm_weights_sleeping = False
         logger.info(
             "weightsync step %d: %s (%s), %d bytes in %.3fs",
             syncer.step,
@@ -150,14 +203,63 @@ def use_weightsync(
     return syncer
 
 
+@contextlib.contextmanager
+def server_mode(token: str | None = None) -> Iterator[None]:
+    """Create TRL trainers in server mode without TRL's own weight-transfer group.
+
+    TRL's ``VLLMClient.init_communicator`` runs inside the trainer's ``__init__`` and opens an
+    NCCL group with the server's workers for TRL's per-tensor push: it needs CUDA and a server
+    started with ``--weight-transfer-config '{"backend": "nccl"}'``. `use_weightsync` replaces that
+    push, so the group is not needed; under this context manager it is not opened, and TRL's
+    client sends weightsync's token instead (TRL reads the server's ``/server_info``, a dev route
+    a guarded server answers only with it). A trainer so created refuses TRL's own push with a
+    message saying to call `use_weightsync`, which takes the token from the client::
+
+        with server_mode(token):
+            trainer = GRPOTrainer(..., args=GRPOConfig(vllm_mode="server", ...))
+        use_weightsync(trainer)
+
+    Args:
+        token: the server's weightsync token (default: ``WEIGHTSYNC_TOKEN``); None: send none.
+    """
+    from trl.generation.vllm_client import VLLMClient
+
+    token = token or os.environ.get(TOKEN_ENV) or None
+    init_communicator = VLLMClient.init_communicator
+
+    def without_trl_weight_transfer(self: Any, device: Any = 0) -> None:
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(
+                "this trainer was created under weightsync's server_mode(), which skips TRL's "
+                "own weight transfer: call weightsync.integrations.trl.use_weightsync(trainer) "
+                "before training"
+            )
+
+        self.update_named_params = refuse
+        if token:
+            self.session.headers[TOKEN_HEADER] = token
+
+    VLLMClient.init_communicator = without_trl_weight_transfer
+    try:
+        yield
+    finally:
+        VLLMClient.init_communicator = init_communicator
+
+
 def _check_supported(vg: Any, sleep_level: int, verify: bool) -> None:
-    if vg.mode != "colocate":
-        raise ValueError(
-            f"vllm_mode={vg.mode!r}: weightsync's TRL integration needs vllm_mode='colocate' "
-            "(an in-process engine); server mode moves weights over vLLM's NCCL weight transfer, "
-            "which this integration does not drive"
-        )
-    if vg.tensor_parallel_size != 1:
+    if vg.mode == "server":
+        if vg.accelerator.num_processes != 1:
+            raise ValueError(
+                f"server mode with {vg.accelerator.num_processes} trainer processes: weightsync's "
+                "TRL integration syncs the server from one trainer process only (not tested "
+                "with more yet)"
+            )
+        if sleep_level != 2:
+            raise ValueError(
+                f"sleep_level={sleep_level} has no effect in server mode: TRL does not sleep a "
+                "server (weightsync still sees any sleep made on it, by anyone)"
+            )
+    elif vg.tensor_parallel_size != 1:
         raise ValueError(
             f"vllm_tensor_parallel_size={vg.tensor_parallel_size}: weightsync's in-process "
             "adapter is tested with one engine rank per process only; use 1"
