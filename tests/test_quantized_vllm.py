@@ -260,9 +260,20 @@ def test_prequantized_verify_passes_correct_and_catches_a_stale_weight(prequanti
         check_engine(trained, engine, strategy="stale")
 
 
-def test_a_prequantized_w4a16_engine_serving_lora_equals_vllms_own_adapter_load(
-    tmp_path_factory, base, lora
-):
+@pytest.fixture(scope="module")
+def w4a16_lora(tmp_path_factory, base):
+    """A pre-quantized W4A16 engine serving LoRA, started from ``base`` quantized, and a folder
+    for adapters. A module fixture: an in-process engine collected mid-module tears down vLLM's
+    process-wide parallel state under the others (see ``prequantized_engines``)."""
+    tmp = tmp_path_factory.mktemp("w4lora")
+    folder = quantized_checkpoint(base, tmp / "ck", SCHEMES["W4A16 group 32"])
+    # Room for three adapters: vLLM's two oracles must not evict weightsync's in-memory one
+    # (an evicted in-memory adapter fails loudly: its path does not exist, by design).
+    llm = T.make_llm(folder, dtype="bfloat16", enable_lora=True, max_loras=3, max_cpu_loras=3)
+    return VLLMEngine(llm), tmp
+
+
+def test_a_prequantized_w4a16_engine_serving_lora_equals_vllms_own_adapter_load(w4a16_lora, lora):
     """A pre-quantized (W4A16) engine serving LoRA: after a level-2 sleep, base + adapter sent
     apart serve exactly what the fresh engine served with vLLM loading the adapter from peft's
     folder; then an adapter-only sync of a trained adapter serves what vLLM's own load of that
@@ -272,13 +283,7 @@ def test_a_prequantized_w4a16_engine_serving_lora_equals_vllms_own_adapter_load(
     from weightsync import AdapterSync
     from weightsync.engines.vllm.control import greedy_generate, score_prompts
 
-    tmp = tmp_path_factory.mktemp("w4lora")
-    folder = quantized_checkpoint(base, tmp / "ck", SCHEMES["W4A16 group 32"])
-    # Room for three adapters: vLLM's two oracles must not evict weightsync's in-memory one
-    # (an evicted in-memory adapter fails loudly: its path does not exist, by design).
-    engine = VLLMEngine(
-        T.make_llm(folder, dtype="bfloat16", enable_lora=True, max_loras=3, max_cpu_loras=3)
-    )
+    engine, tmp = w4a16_lora
 
     def vllms_own(model: Any, lora_id: int) -> tuple[Any, Any]:
         model.save_pretrained(str(tmp / f"adapter{lora_id}"))
