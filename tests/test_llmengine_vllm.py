@@ -26,19 +26,9 @@ def llm_engine(tmp_path_factory):
     from vllm import EngineArgs, LLMEngine
 
     checkpoint = T.save_checkpoint(T.tiny_model(ARCH), tmp_path_factory.mktemp(ARCH) / "ck")
-    args = EngineArgs(
-        model=checkpoint,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-        seed=0,
-        enable_lora=True,
-        max_lora_rank=16,
-        max_loras=1,
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(**T.engine_options(checkpoint, enable_lora=True))
     )
-    engine = LLMEngine.from_engine_args(args)
     yield engine
     engine.engine_core.shutdown()
 

@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,11 @@ PROMPTS = [
     "weights go to the engine",
     "sleep level two",
 ]
-#: One run (swift, torch and vLLM imports, engine start, 2 steps: 50-100 s on a loaded 2-core
-#: machine), under pytest's own per-test limit, so that the run is killed here first.
-RUN_TIMEOUT_S = 270
+#: One run (swift, torch and vLLM imports, engine start, 2 steps: 50-140 s on a loaded 2-core
+#: machine, more with two at once), killed past this.
+RUN_TIMEOUT_S = 420
+#: A test waits for its run, which may have queued behind others (`AT_ONCE`).
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +83,14 @@ def swift_rlhf(
     *options: str,
     arch: str = "qwen2",
     callbacks=("weightsync", "probe"),
+    started: list | None = None,
 ) -> dict:
     """Run ``swift rlhf`` (GRPO, colocate) with ``callbacks`` (weightsync and the probe); what
     the probe saw.
 
-    The command runs in its own process group, killed whole if it times out or the test is
-    interrupted (swift's CLI starts the trainer as a child process)."""
+    The command runs in its own process group, killed whole if it times out or fails (swift's
+    CLI starts the trainer as a child process); ``started`` receives its ``Popen``, for the
+    module to kill whatever still runs when it ends."""
     port = T.free_port()
     env = {
         **os.environ,
@@ -120,15 +125,78 @@ def swift_rlhf(
         proc = subprocess.Popen(
             command, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
         )
+        if started is not None:
+            started.append(proc)
         try:
             proc.wait(timeout=RUN_TIMEOUT_S)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill(proc)
     if proc.returncode != 0:
         raise AssertionError(f"swift rlhf failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
     return json.loads((out / "probe.json").read_text())
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill a run's whole process group if it still runs."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+FULL = ("--tuner_type", "full")
+LORA = (
+    "--tuner_type",
+    "lora",
+    "--lora_rank",
+    "8",
+    "--lora_alpha",
+    "32",
+    "--target_modules",
+    "all-linear",
+)
+SERVED = ("--vllm_enable_lora", "true")
+#: Every run of the module: name -> (``swift rlhf`` options, keyword arguments of `swift_rlhf`).
+RUNS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "full_tied_sleep2": ((*FULL, "--sleep_level", "2"), {}),
+    "lora_merged": ((*LORA, "--sleep_level", "0"), {"arch": "llama"}),
+    "lora_served_sleep1": ((*LORA, *SERVED, "--sleep_level", "1"), {}),
+    "swift_own_tied": ((*FULL, "--sleep_level", "0"), {"callbacks": ["probe"]}),
+    "swift_own_lora_served": (
+        (*LORA, *SERVED, "--sleep_level", "0"),
+        {"arch": "llama", "callbacks": ["probe"]},
+    ),
+}
+#: Runs at once. A run is mostly one process importing swift, torch and vLLM and starting an
+#: engine, which leaves a 2-core machine's second core idle much of the time. Measured on a
+#: loaded machine: the five runs two at once, 157 s; four of them one at a time, ~350 s.
+AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def runs(swift_env, checkpoint, dataset, tmp_path_factory):
+    """name -> the `Future` of that run's probe; every run starts with the module, `AT_ONCE`
+    at a time, and whatever still runs when the module ends is killed."""
+    started: list[subprocess.Popen] = []
+    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+        futures = {
+            name: pool.submit(
+                swift_rlhf,
+                checkpoint,
+                dataset,
+                tmp_path_factory.mktemp(name),
+                *options,
+                started=started,
+                **kwargs,
+            )
+            for name, (options, kwargs) in RUNS.items()
+        }
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()
+            for proc in started:
+                kill(proc)
 
 
 def assert_exact(probe: dict, *, sleep_level: int) -> None:
@@ -144,24 +212,20 @@ def assert_exact(probe: dict, *, sleep_level: int) -> None:
     assert probe["frozen_changed"] == [], "a sync changed the trainer's frozen weights"
 
 
-def test_full_tied_sleep2(swift_env, checkpoint, dataset, tmp_path):
+def test_full_tied_sleep2(runs):
     """Full training, swift sleeps at level 2 after every rollout (simulated discard): every
     rollout restores every weight, the tied head included."""
-    probe = swift_rlhf(checkpoint, dataset, tmp_path, "--tuner_type", "full", "--sleep_level", "2")
+    probe = runs["full_tied_sleep2"].result()
     assert_exact(probe, sleep_level=2)
     assert probe["discards"] == STEPS + 1  # at creation, then after each rollout
     assert probe["strategies"] == ["FullSync"] * STEPS
 
 
-def test_lora_merged(swift_env, checkpoint, dataset, tmp_path):
+def test_lora_merged(runs):
     """LoRA merged into the engine's weights (vllm_enable_lora off), no sleep, on an untied
     (Llama) model: every step sends the merged weights. Also what use_weightsync refuses, said
     on this real trainer."""
-    probe = swift_rlhf(
-        checkpoint, dataset, tmp_path, "--tuner_type", "lora", "--lora_rank", "8",
-        "--lora_alpha", "32", "--target_modules", "all-linear", "--sleep_level", "0",
-        arch="llama",
-    )  # fmt: skip
+    probe = runs["lora_merged"].result()
     assert_exact(probe, sleep_level=0)
     assert probe["frozen"] > 0  # the base, unmerged and bit-identical
     assert probe["strategies"] == ["FullSync(lora=merge)"] * STEPS
@@ -183,14 +247,10 @@ def test_lora_merged(swift_env, checkpoint, dataset, tmp_path):
     ), said
 
 
-def test_lora_served_sleep1(swift_env, checkpoint, dataset, tmp_path):
+def test_lora_served_sleep1(runs):
     """The engine serves the adapter (vllm_enable_lora), level-1 sleeps keep the base: the
     base once, then the adapter alone, which swift's generation is given (not swift's id 111)."""
-    probe = swift_rlhf(
-        checkpoint, dataset, tmp_path, "--tuner_type", "lora", "--lora_rank", "8",
-        "--lora_alpha", "32", "--target_modules", "all-linear", "--vllm_enable_lora", "true",
-        "--sleep_level", "1",
-    )  # fmt: skip
+    probe = runs["lora_served_sleep1"].result()
     assert_exact(probe, sleep_level=1)
     assert probe["serves_lora"] and probe["lora_id"] != 111
     assert probe["routed_lora_ids"] == [probe["lora_id"]] * STEPS
@@ -198,15 +258,12 @@ def test_lora_served_sleep1(swift_env, checkpoint, dataset, tmp_path):
     assert probe["lora_B_scaled"] and set(probe["lora_B_scaled"]) == {1.0}  # the adapter: by value
 
 
-def test_swift_own_sync_serves_a_stale_tied_head(swift_env, checkpoint, dataset, tmp_path):
+def test_swift_own_sync_serves_a_stale_tied_head(runs):
     """The same command without weightsync, on the tied model: swift sends the tied tensor once,
     as the embedding, so from the first optimizer step on the engine serves a head the trainer
     does not hold; sending it under both names, the one thing swift left out, makes the engine
     match. (test_full_tied_sleep2 runs this model with weightsync: exact.)"""
-    probe = swift_rlhf(
-        checkpoint, dataset, tmp_path, "--tuner_type", "full", "--sleep_level", "0",
-        callbacks=["probe"],
-    )  # fmt: skip
+    probe = runs["swift_own_tied"].result()
     first, later = probe["at_rollout"]
     assert first["engine"] == first["trainer"]  # before any optimizer step: the checkpoint
     assert later["engine"] != later["trainer"]
@@ -217,19 +274,13 @@ def test_swift_own_sync_serves_a_stale_tied_head(swift_env, checkpoint, dataset,
     assert fixed["engine"] == fixed["trainer"] and fixed["max_logprob_diff"] <= 1e-3
 
 
-def test_swift_own_lora_sync_scales_lora_b_and_drifts_the_base(
-    swift_env, checkpoint, dataset, tmp_path
-):
+def test_swift_own_lora_sync_scales_lora_b_and_drifts_the_base(runs):
     """swift's own sync with the adapter served (vllm_enable_lora, no sleep): vLLM scales the
     adapter swift hands it by reference, so every adapter-only sync multiplies the trainer's own
     ``lora_B`` by lora_alpha/r (4 here), and swift's merge into the base in place and back
     leaves the frozen base changed. test_lora_served_sleep1 runs the served adapter with
     weightsync: ``lora_B`` untouched, the base bit-identical, the engine exact."""
-    probe = swift_rlhf(
-        checkpoint, dataset, tmp_path, "--tuner_type", "lora", "--lora_rank", "8",
-        "--lora_alpha", "32", "--target_modules", "all-linear", "--vllm_enable_lora", "true",
-        "--sleep_level", "0", arch="llama", callbacks=["probe"],
-    )  # fmt: skip
+    probe = runs["swift_own_lora_served"].result()
     assert probe["lora_B_scaled"] and all(
         r == pytest.approx(32 / 8, rel=1e-5) for r in probe["lora_B_scaled"]
     ), probe["lora_B_scaled"]

@@ -73,39 +73,44 @@ def save_checkpoint(model: PreTrainedModel, folder: str | Path) -> str:
     return str(folder)
 
 
-def make_llm(
+def engine_options(
     checkpoint: str,
     *,
     dtype: str = "float32",
     enable_lora: bool = False,
     max_lora_rank: int = 16,
-    enable_prefix_caching: bool = True,
     max_model_len: int = 256,
     kv_cache_bytes: int = 64 << 20,
     **options: Any,
-) -> Any:
-    """A real in-process ``vllm.LLM`` on ``checkpoint`` sized for a small CPU machine;
-    ``options`` go to ``LLM`` as they are (``load_format="dummy"``, ``max_loras=2``)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0: weightsync needs vLLM in-process")
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = {}
-    if enable_lora:
-        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
-    kwargs.update(options)
-    return LLM(
+) -> dict[str, Any]:
+    """vLLM engine arguments for ``checkpoint`` sized for a small CPU machine (no tokenizer,
+    eager, a 64 MiB KV cache, one adapter slot with LoRA), for ``LLM(**...)`` or
+    ``EngineArgs(**...)`` alike; ``options`` are added as they are."""
+    kwargs: dict[str, Any] = dict(
         model=checkpoint,
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype=dtype,
         max_model_len=max_model_len,
         kv_cache_memory_bytes=kv_cache_bytes,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=True,
         seed=0,
-        **kwargs,
     )
+    if enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+    kwargs.update(options)
+    return kwargs
+
+
+def make_llm(checkpoint: str, **options: Any) -> Any:
+    """A real in-process ``vllm.LLM`` on ``checkpoint`` sized by `engine_options` (``options``
+    as there: ``dtype=``, ``enable_lora=True``, ``load_format="dummy"``, ``max_loras=2``)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0: weightsync needs vLLM in-process")
+    from vllm import LLM
+
+    return LLM(**engine_options(checkpoint, **options))
 
 
 def _llm(engine: Engine, what: str) -> Any:
@@ -515,17 +520,11 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     llm = None
-    options: dict[str, Any] = dict(
-        worker_extension_cls=WORKER_EXTENSION,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-        seed=0,
+    options = engine_options(
+        checkpoint, worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=tp, **kwargs
     )
     try:
-        llm = LLM(model=checkpoint, tensor_parallel_size=tp, **{**options, **kwargs})
+        llm = LLM(**options)
         yield llm
     finally:
         # Python's resource tracker, started for this process by the LLM's first spawn, lives
