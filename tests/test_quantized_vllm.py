@@ -194,6 +194,53 @@ def test_an_fp8_kv_cache_engine_is_synced_exactly_and_not_verified_falsely(
         FullSync().sync(trained, engine, verify=True)
 
 
+# --- torchao (online) ------------------------------------------------------------------------
+
+#: torchao configs vLLM quantizes with online (``quantization="torchao"``): weights only, and
+#: int8 weights with dynamic int8 activations.
+TORCHAO = ["Float8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"]
+
+
+@pytest.fixture(scope="module")
+def torchao_engines(tmp_path_factory, trained):
+    """``get(config name) -> (engine, oracle)``: an engine started from ``trained`` with that
+    torchao config, kept to the module's end (see ``prequantized_engines``)."""
+    import torchao.quantization
+    from torchao.core.config import config_to_dict
+
+    folder = T.save_checkpoint(trained, tmp_path_factory.mktemp("torchao") / "ck")
+    engines: dict[str, tuple[VLLMEngine, Any]] = {}
+
+    def get(name: str) -> tuple[VLLMEngine, Any]:
+        if name not in engines:
+            config = json.dumps(config_to_dict(getattr(torchao.quantization, name)()))
+            overrides = {"quantization_config_dict_json": config}
+            llm = T.make_llm(
+                folder, dtype="bfloat16", quantization="torchao", hf_overrides=overrides
+            )
+            engine = VLLMEngine(llm)
+            engines[name] = (engine, served(engine))
+        return engines[name]
+
+    return get
+
+
+@pytest.mark.parametrize("config", TORCHAO)
+def test_torchao_full_merged_lora_and_level2_equal_a_fresh_engine(
+    torchao_engines, config, trained, lora, base
+):
+    """vLLM re-runs torchao's online quantization in its layerwise reload, like its own online
+    fp8: bf16 sent, each sync equal to the fresh engine. Verification has no measured tolerance
+    for torchao and says so instead of a verdict."""
+    engine, oracle = torchao_engines(config)
+    q = engine.facts.quantized
+    assert q is not None and q.method == "torchao" and not q.prequantized
+    assert "model.layers.0.mlp.down_proj" in q.modules
+    full_merged_and_level2(engine, oracle, trained, lora, base)
+    with pytest.raises(VerificationError, match="no verification tolerance is measured"):
+        FullSync().sync(trained, engine, verify=True)
+
+
 # --- pre-quantized compressed-tensors --------------------------------------------------------
 
 
