@@ -197,9 +197,13 @@ def test_a_request_in_flight_survives_a_sync(engines, servers):
                         finish[c["index"]] = c["finish_reason"]
                 first.set()
 
+    # A prompt of several KV blocks, cached before the sync: after it the prefix cache must not
+    # answer it from the old weights' KV, though the held requests keep blocks in use.
+    cached = [(7 * i) % 1000 + 3 for i in range(64)]
     for attempt in range(3):
         model = full_model(ARCH[1], seed=60 + attempt)
         old = [t for t, _ in engine.control.generate(prompts, max_tokens, None)]
+        engine.control.generate([cached], 8, None)
         out: dict[int, list[int]] = {}
         finish: dict[int, str] = {}
         first = threading.Event()
@@ -210,6 +214,9 @@ def test_a_request_in_flight_survives_a_sync(engines, servers):
         thread.join(600)
         assert not thread.is_alive(), "the held generation never finished"
         T.assert_matches(model, engine, atol=ATOL)
+        assert engine.control.generate([cached], 8, None)[0][0] == T.trainer_greedy(
+            model, cached, 8
+        )
         assert sorted(out) == list(range(len(prompts)))
         assert all(finish[i] == "length" for i in out), finish
         assert all(len(out[i]) == max_tokens for i in out), {i: len(t) for i, t in out.items()}

@@ -289,7 +289,15 @@ class HTTPControl(Control):
         self._call("POST", "/resume")
 
     def reset_prefix_cache(self) -> None:
-        self._call("POST", "/reset_prefix_cache")
+        # vLLM answers {"success": false}, and keeps the cache, while running requests hold
+        # blocks; reset_running_requests recomputes those requests' KV instead. (The pause
+        # before a write clears the cache too; this reset must not rely on it.)
+        answer = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": True})
+        if isinstance(answer, dict) and not answer.get("success", True):
+            raise RuntimeError(
+                f"the vLLM server at {self.base_url} did not reset its prefix cache: prompts "
+                "could be answered from KV computed with the previous weights"
+            )
 
     def load_lora(self, name: str, path: str) -> None:
         # Never load_inplace over HTTP: the server then re-reads the adapter from disk on every
