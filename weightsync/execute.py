@@ -40,6 +40,8 @@ class SyncReport:
         engine_calls: calls made into the engine (RPCs, adapter loads, reloads).
         buckets: buckets the weight stream was cut into (0 if none was streamed).
         verified_logprob_diff: mean logprob difference on the canary prompts, if verified.
+        weights_version: the version the engine reports right after the sync
+            (`Engine.weights_version`; set by `weightsync.Syncer`), None if it reports none.
     """
 
     strategy: str
@@ -50,6 +52,7 @@ class SyncReport:
     engine_calls: int
     buckets: int = 0
     verified_logprob_diff: float | None = None
+    weights_version: str | None = None
     plan: Plan | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -89,14 +90,31 @@ class Syncer:
     def sync(self, model: nn.Module, *, sleep_level: int | None = None) -> SyncReport:
         """Choose, sync ``model`` into the engine, and update ``base_sync_done``.
 
+        The report's ``weights_version`` is the version the engine reports right after the
+        sync (`Engine.weights_version`), for tagging the rollouts generated next.
+
         Raises whatever the strategy or the verification raises; nothing is swallowed.
         """
         strategy = self.choose(sleep_level)
         self.base_sync_done = False
         report = strategy.sync(model, self.engine)
+        report = dataclasses.replace(report, weights_version=self.engine.weights_version)
         if self.verify:
             diff = check_engine(model, self.engine, strategy=strategy.label, step=self.step)
             report = dataclasses.replace(report, verified_logprob_diff=diff)
         self.base_sync_done = True
         self.step += 1
         return report
+
+    async def async_sync(self, model: nn.Module, *, sleep_level: int | None = None) -> SyncReport:
+        """`sync`, for a trainer running an event loop: the sync runs in a worker thread, so
+        the loop keeps running meanwhile -- its rollouts, and the engine's own calls when the
+        engine lives on this very loop (an ``AsyncLLM``: `AsyncLLMEngine` schedules each call
+        onto its loop and waits in the worker thread, which blocking the loop here would
+        deadlock).
+
+        The model must not be trained while the sync reads it. Cancelling the awaiting task
+        does not stop the sync: it runs to its end (or its error) in its thread, leaving
+        ``base_sync_done`` as `sync` does; one sync at a time, as with `sync`.
+        """
+        return await asyncio.to_thread(self.sync, model, sleep_level=sleep_level)

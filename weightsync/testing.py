@@ -554,3 +554,72 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
         left = left_behind(held)
     if left:
         raise RuntimeError(f"the LLM's processes left /dev/shm entries (removed now): {left}")
+
+
+@contextlib.contextmanager
+def ray_cluster(
+    nodes: int = 2, *, object_store_bytes: int = 256 << 20, cpus_per_node: int = 1
+) -> Iterator[list[str]]:
+    """A Ray cluster of ``nodes`` nodes on 127.0.0.1 (``ray.cluster_utils.Cluster``), this
+    process connected to it as the driver (on the first node); yields the node ids, first
+    node first.
+
+    Ray's files (sessions, sockets, spilled objects) go to a fresh folder, removed at the end;
+    every process the cluster started (GCS, raylets, workers, actors) is stopped by PID at the
+    end, killed if it outlives Ray's own shutdown, and then `RuntimeError` names it.
+
+    Set ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment *before Ray is imported*:
+    otherwise Ray replaces 127.0.0.1 with the host's routable address
+    (``ray._private.services.resolve_ip_for_localhost``), which a sandbox may not serve, and
+    the driver waits for the GCS forever.
+    """
+    import shutil
+    import tempfile
+
+    import psutil
+    import ray
+    from ray.cluster_utils import Cluster
+
+    root = tempfile.mkdtemp(prefix="weightsync-ray-")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = root
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    started: dict[int, Any] = {}
+
+    def record() -> None:
+        for p in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # exited meanwhile
+                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                    started.setdefault(p.pid, p)
+
+    node: dict[str, Any] = {
+        "num_cpus": cpus_per_node,
+        "node_ip_address": "127.0.0.1",
+        "object_store_memory": object_store_bytes,
+    }
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        for _ in range(nodes - 1):
+            cluster.add_node(**node)
+        ray.init(address=cluster.address, log_to_driver=False)
+        head = ray.get_runtime_context().get_node_id()
+        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        yield [head, *(i for i in ids if i != head)]
+    finally:
+        record()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        _, alive = psutil.wait_procs(list(started.values()), timeout=30)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):  # psutil: never a reused PID
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+    if alive:
+        raise RuntimeError(f"Ray processes outlived the cluster's shutdown (killed): {alive}")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .base import adapt as adapt
     from .base import register as register
     from .replicas import Replicas as Replicas
+    from .vllm.asyncllm import AsyncLLMEngine as AsyncLLMEngine
     from .vllm.control import TOKEN_MIDDLEWARE as TOKEN_MIDDLEWARE
     from .vllm.control import WORKER_EXTENSION as WORKER_EXTENSION
     from .vllm.control import HTTPControl as HTTPControl
@@ -38,6 +39,7 @@ _EXPORTS = {
         "register",
     ),
     ".replicas": ("Replicas",),
+    ".vllm.asyncllm": ("AsyncLLMEngine",),
     ".vllm.control": ("HTTPControl", "TOKEN_MIDDLEWARE", "WORKER_EXTENSION"),
     ".vllm.inprocess": ("VLLMEngine",),
     ".vllm.remote": ("VLLMMultiprocEngine",),

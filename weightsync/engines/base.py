@@ -137,6 +137,13 @@ class Engine(ABC):
         q = self.facts.quantized
         return f", {q}" if q is not None else ""
 
+    @property
+    def weights_version(self) -> str | None:
+        """The version of the weights the engine serves now, as the engine itself reports it
+        (equal versions: the same weights), for tagging rollouts; None for an engine that
+        reports none (the default). `AsyncLLMEngine` derives it from its attested epoch."""
+        return None
+
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The first row of each named tensor in the checkpoint `reload_checkpoint`
         reloads, for a cheap check that the trainer's base is still that checkpoint. An engine
@@ -361,7 +368,12 @@ def register(cls: type[Engine]) -> type[Engine]:
 
 #: Modules of the adapters weightsync ships, imported on the first `adapt` (importing them
 #: does not import vLLM; each registers itself).
-_BUILTIN = ("weightsync.engines.vllm.inprocess", "weightsync.engines.vllm.remote")
+_BUILTIN = (
+    "weightsync.engines.vllm.inprocess",
+    "weightsync.engines.vllm.remote",
+    "weightsync.engines.vllm.asyncllm",
+    "weightsync.integrations.ray",
+)
 
 
 def adapt(engine: Any) -> Engine:

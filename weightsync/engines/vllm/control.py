@@ -75,19 +75,29 @@ def greedy_generate(
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy-decode ``max_tokens`` for each prompt on a vLLM ``LLMEngine`` or ``LLM`` (in or
     out of process), in one batch; the tokens and their logprobs."""
+    return [
+        greedy_result(out)
+        for out in run_requests(engine, prompts, greedy_params(max_tokens), lora_request)
+    ]
+
+
+def greedy_params(max_tokens: int) -> Any:
+    """The ``SamplingParams`` of a verification run: greedy, ``max_tokens`` exactly, the
+    chosen tokens' logprobs."""
     from vllm import SamplingParams
 
-    params = SamplingParams(
+    return SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
     )
-    results = []
-    for out in run_requests(engine, prompts, params, lora_request):
-        tokens = list(out.outputs[0].token_ids)
-        logprobs = [
-            step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
-        ]
-        results.append((tokens, logprobs))
-    return results
+
+
+def greedy_result(out: Any) -> tuple[list[int], list[float]]:
+    """A finished ``RequestOutput`` of `greedy_params`: its tokens and their logprobs."""
+    tokens = list(out.outputs[0].token_ids)
+    logprobs = [
+        step[tok].logprob for tok, step in zip(tokens, out.outputs[0].logprobs, strict=True)
+    ]
+    return tokens, logprobs
 
 
 def score_prompts(
@@ -95,21 +105,32 @@ def score_prompts(
 ) -> list[list[dict[int, float]]]:
     """For each prompt, each position after the first: the logprobs a vLLM ``LLMEngine`` (or ``LLM``) gives
     the prompt's token and its ``top_k`` most likely tokens (``prompt_logprobs``)."""
-    from vllm import SamplingParams
-
-    # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is computed
-    # under the weights served now. One token is generated because vLLM must.
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
     # With LoRA enabled, vLLM 0.32's CPU LoRA logits path indexes adapters per request, not per
     # prompt position: two prompts in one batch with prompt_logprobs fail ("einsum(): subscript b
     # has size 2 ... 63"). One prompt per call is exact.
     lora_enabled = getattr(engine, "llm_engine", engine).vllm_config.lora_config is not None
     groups = [[p] for p in prompts] if lora_enabled else [prompts]
-    outputs = [out for group in groups for out in run_requests(engine, group, params, lora_request)]
+    params = score_params(top_k)
     return [
-        [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
-        for out in outputs
+        score_result(out)
+        for group in groups
+        for out in run_requests(engine, group, params, lora_request)
     ]
+
+
+def score_params(top_k: int) -> Any:
+    """The ``SamplingParams`` of a prompt-logprobs run (`score_prompts`)."""
+    from vllm import SamplingParams
+
+    # prompt_logprobs makes vLLM skip reading the prefix cache, so every position is computed
+    # under the weights served now. One token is generated because vLLM must.
+    return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+
+
+def score_result(out: Any) -> list[dict[int, float]]:
+    """A finished ``RequestOutput`` of `score_params`: token id -> logprob at each position
+    after the first."""
+    return [{tok: lp.logprob for tok, lp in pos.items()} for pos in out.prompt_logprobs[1:]]
 
 
 def attestation(reports: list[dict[str, Any]]) -> Attestation:

@@ -12,7 +12,8 @@ Every write: pause (in-flight requests are kept, not dropped), write, reset the 
 resume. If the write fails part-way the workers have already restored their unfinished layers,
 so the engine serves a mix of old and new weights: it is resumed, the base is marked lost (only
 a full restore may follow) and the error is raised. If even that recovery fails the engine is
-left paused -- never resume a broken engine -- and `EngineBrokenError` says so.
+left paused -- never resume a broken engine -- and `EngineBrokenError` says so; an engine that
+no longer answers at all (a dead Ray actor or engine core) raises `EngineUnavailableError`.
 
 The engine's facts (`EngineFacts`) come from the worker extension, read from the model vLLM
 built, not from the caller; a server without the extension is a *stock* server (``stock.py``).
@@ -155,6 +156,9 @@ class RemoteVLLMEngine(Engine):
                 if not self.stock:  # idempotent; the workers did it already
                     self.rpc("weightsync_abandon")
                 self.control.reset_prefix_cache()
+            except EngineUnavailableError:  # gone (a dead actor or core): nothing to restore
+                self.mark_lost()
+                raise
             except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
                 raise EngineBrokenError(
                     f"{what} failed ({error}) and restoring the engine's unfinished layers failed "

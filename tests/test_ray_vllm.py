@@ -1,0 +1,246 @@
+"""vLLM inside Ray actors on a real two-node Ray cluster (loopback), synced from this process.
+
+One cluster and two actors (one per node, each a tiny in-process ``vllm.LLM`` serving LoRA)
+for the whole module; its Ray processes are stopped by PID at the end, and the module fails if
+any survived or left files in ``/dev/shm`` or ``/tmp``. The decision table runs through a
+fan-out over both actors (`Replicas`), every actor's greedy tokens checked against the
+trainer's after every sync; the actor killed mid-sync comes last (it loses one of the two).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import discard, enter_sleep, full_model, lora_model, one_per_bucket, sync_and_check
+
+from weightsync import Syncer
+from weightsync import testing as T
+from weightsync.engines import Replicas, adapt
+from weightsync.errors import BytesRejectedError, EngineUnavailableError, WeightSyncError
+from weightsync.strategies import FullSync
+from weightsync.wire import format as fmt
+from weightsync.wire import scratch
+
+# Every Ray address on loopback: without this Ray swaps 127.0.0.1 for the host's routable address
+# (``services.resolve_ip_for_localhost``), which this machine does not serve. Ray reads it when
+# it is imported, so it is set before the import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray
+
+from weightsync.integrations.ray import LOAD_OBJECTS, RayVLLMEngine, WeightsyncActor
+
+ARCH = "qwen2"  # tied embeddings: the head must follow every sync
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A two-node Ray cluster on 127.0.0.1, this process its driver (`ray_cluster`: every
+    process it started stopped by PID, or it raises); then nothing of it may be left in
+    /dev/shm (the killed actor's scratch folder is swept as after any crash) or /tmp."""
+    shm_before = set(os.listdir(SHM))
+    tmp_ray_before = Path("/tmp/ray").exists()
+    pids: list[int] = []
+    with T.ray_cluster(2) as nodes:
+        ray_files = Path(os.environ["RAY_TMPDIR"])
+        yield nodes, pids
+    scratch.sweep()
+    mine = ("ray", "plasma", *(f"weightsync-{pid}-" for pid in pids))  # the actors' scratch
+    left = [n for n in set(os.listdir(SHM)) - shm_before if any(m in n for m in mine)]
+    assert not left, f"left in /dev/shm: {left}"
+    assert Path("/tmp/ray").exists() == tmp_ray_before, "Ray wrote to /tmp/ray"
+    assert not ray_files.exists(), f"Ray's files were left in {ray_files}"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return T.save_checkpoint(T.tiny_model(ARCH), tmp_path_factory.mktemp("ckpt"))
+
+
+def _actor_class():
+    """The framework's actor: an ``LLM`` and the weightsync mixin. Defined in a function so
+    Ray ships the class by value (the workers cannot import this test module)."""
+
+    class Rollout(WeightsyncActor):
+        def __init__(self, checkpoint: str) -> None:
+            from weightsync import testing as T
+            from weightsync.engines import WORKER_EXTENSION
+
+            self.llm = T.make_llm(
+                checkpoint, enable_lora=True, worker_extension_cls=WORKER_EXTENSION
+            )
+            self.weightsync_attach(self.llm)
+
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def hold(self, seconds: float) -> None:
+            """Busy for ``seconds`` (a long rollout): the next call waits behind it."""
+            time.sleep(seconds)
+
+    return Rollout
+
+
+@pytest.fixture(scope="module")
+def actors(cluster, checkpoint):
+    """One actor on each node (num_cpus=0: two vLLM actors fit this 2-core machine)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes, pids = cluster
+    cls = ray.remote(num_cpus=0, max_restarts=0)(_actor_class())
+    handles = [
+        cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+            checkpoint
+        )
+        for n in nodes
+    ]
+    assert ray.get([h.node.remote() for h in handles], timeout=600) == nodes
+    pids.extend(ray.get([h.pid.remote() for h in handles]))
+    yield handles
+    for h in handles:
+        ray.kill(h)
+
+
+@pytest.fixture(scope="module")
+def engines(actors):
+    made = [RayVLLMEngine(a, timeout_s=300) for a in actors]
+    yield made
+    for e in made:
+        e.close()
+    leftover = [e._adapter_root for e in made if e._adapter_root.exists()]
+    assert not leftover, f"the trainer's adapter folders were left: {leftover}"
+
+
+def fan_walk(syncer, model, engines, levels, train):
+    """A framework's loop over a fan-out: per step train, sleep every actor at the step's level
+    (level 2: its weights discarded) and wake it, sync, check every actor serves the trainer."""
+    chosen = []
+    for step, level in enumerate(levels):
+        train(step)
+        for e in engines:
+            enter_sleep(e, level)
+        # On the fan-out: every actor's greedy tokens equal, and replica 0's are the trainer's.
+        chosen.append(sync_and_check(syncer, model, syncer.engine).strategy)
+    return chosen
+
+
+# --- what the engine attests ---------------------------------------------------------------
+
+
+def test_facts_and_epoch_come_from_the_actors_workers(engines, actors):
+    """Both actors, on two nodes, report what their workers read from the model vLLM built and
+    the epoch their ledger keeps: a sleep made inside the actor, by nobody here, is seen."""
+    a, b = engines
+    assert a.facts == b.facts and a.facts.attests and a.serves_lora
+    raw = adapt(actors[0])  # the raw handle is accepted like any engine (Syncer(handle))
+    assert isinstance(raw, RayVLLMEngine)
+    raw.close()
+    assert set(a.expected_weights) >= {"lm_head.weight", "model.embed_tokens.weight"}
+    assert "in the Ray actor" in a.describe() and "bytes: ray" in a.describe()
+    before = a.attest().epoch
+    a.control.call("sleep", 1)  # the framework sleeps its LLM itself, inside the actor
+    a.control.call("wake_up", None)
+    assert a.attest().epoch != before and a.sleep_level >= 1
+
+
+def test_a_bucket_altered_in_the_store_is_refused_before_anything_is_written(engines):
+    a = engines[0]
+    bucket = [(n, torch.zeros(s)) for n, s in list(a.expected_weights.items())[:2]]
+    payload = fmt.pack(bucket).numpy()
+    before = a.attest().epoch
+    forged = {"refs": [ray.put(payload)], "key": "00" * 32, "tags": ["0:" + "00" * 16]}
+    with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
+        a.rpc(LOAD_OBJECTS, forged)
+    assert a.attest().epoch == before  # nothing loaded
+
+
+# --- the decision table, fanned out to both nodes --------------------------------------------
+
+
+def test_full_training(engines):
+    syncer = Syncer(Replicas(engines), train_type="full")
+    model = full_model(ARCH, seed=11)
+    chosen = fan_walk(syncer, model, engines, [0, 1, 2], lambda s: T.perturb(model, seed=s))
+    assert chosen == ["FullSync"] * 3
+
+
+def test_lora_merged(engines):
+    syncer = Syncer(Replicas(engines), train_type="lora", rollout_lora=False)
+    model = lora_model(ARCH, seed=21)
+    train = lambda s: T.perturb(model, seed=200 + s, scale=0.3)  # noqa: E731
+    chosen = fan_walk(syncer, model, engines, [0, 2], train)
+    assert chosen == ["FullSync(lora=merge)"] * 2
+    assert all(e.served_adapter is None for e in engines)
+
+
+def test_lora_served(engines):
+    """Base + adapter first and after a level-2 sleep, the adapter alone otherwise; the adapter
+    reaches each actor through the object store and is written on the actor's node."""
+    FullSync().sync(full_model(ARCH, seed=5), Replicas(engines))  # some other base first
+    syncer = Syncer(Replicas(engines), train_type="lora")
+    model = lora_model(ARCH, seed=31)
+    train = lambda s: T.perturb(model, seed=300 + s, scale=0.3)  # noqa: E731
+    chosen = fan_walk(syncer, model, engines, [0, 1, 2, 0], train)
+    assert chosen == [
+        "FullSync(lora=separate)",
+        "AdapterSync",
+        "FullSync(lora=separate)",
+        "AdapterSync",
+    ]
+    for e in engines:  # written by the actor on its node, not by this process
+        assert e.adapter_path and f"weightsync-{os.getpid()}-" not in e.adapter_path
+
+
+# --- failures: a deadline, a dead actor ----------------------------------------------------
+
+
+def test_a_busy_actor_misses_its_deadline_with_a_weightsync_error(engines, actors):
+    a = engines[0]
+    model = full_model(ARCH, seed=41)
+    busy = actors[0].hold.remote(6)
+    a.control.timeout_s = 2.0
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineUnavailableError, match=r"did not answer .* within 2 s"):
+            FullSync().sync(model, a)
+        assert time.monotonic() - started < T.stretched(10)
+    finally:
+        a.control.timeout_s = 300
+        ray.get(busy, timeout=600)
+    sync_and_check(FullSync(), model, a)  # the actor answers again: the next sync goes through
+
+
+def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_repaired(engines, actors):
+    """The fan-out's second actor is killed while the trainer streams the buckets: a
+    weightsync error (not a Ray one, no hang) within a bounded time; the survivor, stopped
+    part-way, is marked unsynced and the next sync restores it. Last: it loses an actor."""
+    survivor, victim = engines
+    buckets = one_per_bucket(full_model(ARCH, seed=51), survivor)
+
+    def stream():
+        yield from buckets[:5]
+        ray.kill(actors[1])
+        time.sleep(1)  # the kill lands while the stream still runs
+        yield from buckets[5:]
+
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        Replicas(engines).load_weights(stream())
+    assert time.monotonic() - started < T.stretched(60)
+    assert not isinstance(raised.value, ray.exceptions.RayError)
+    with pytest.raises(EngineUnavailableError, match="does not answer"):
+        victim.attest()
+    # The survivor is fully written or, stopped part-way, accepts only a full restore.
+    assert survivor.base_discarded
+    model = full_model(ARCH, seed=52)
+    report = sync_and_check(Syncer(survivor, train_type="full"), model, survivor)
+    assert report.strategy == "FullSync"
+    discard(survivor)  # and it keeps working as any engine
+    sync_and_check(FullSync(), model, survivor)

@@ -1,0 +1,332 @@
+"""vLLM's ``AsyncLLM`` (``vllm.v1.engine.async_llm.AsyncLLM``) as a weightsync engine.
+
+The design, and why:
+
+- **An engine in another process, so `RemoteVLLMEngine`.** An ``AsyncLLM``'s engine core always
+  runs in its own process (``AsyncMPClient``, whatever ``VLLM_ENABLE_V1_MULTIPROCESSING`` says),
+  exactly like a multiprocess ``vllm.LLM``'s: tensors cannot go by reference, its workers load
+  weightsync's worker extension (``worker_extension_cls=WORKER_EXTENSION``), and the bytes go
+  through a transport (tmpfs by default). So the engine is `RemoteVLLMEngine` -- its writes,
+  recovery, adapter versions, attestation and transports -- with one new control plane,
+  `AsyncLLMControl`, as `LLMControl` is for a multiprocess ``LLM`` and `HTTPControl` for a
+  server. Nothing of the write path is written twice.
+- **The AsyncLLM's coroutines run on its own event loop.** An ``AsyncLLM`` is bound to the loop
+  it was created (or first used) on: its output handler and its engine-core client's queues
+  live there. weightsync's sync is synchronous (it streams lazily produced buckets), so every
+  control call is scheduled onto that loop with ``asyncio.run_coroutine_threadsafe`` and waited
+  for from the calling thread. That works from any thread but the loop's own: there, waiting
+  would block the very loop that must run the call (a deadlock), so such a call is refused
+  with a clear error instead. From inside the loop, sync with ``await syncer.async_sync(model)``
+  (`weightsync.Syncer.async_sync`), which runs the sync in a worker thread while the loop keeps
+  serving -- both the generations in flight and the sync's own calls; create the adapter with
+  ``await AsyncLLMEngine.open(async_llm)`` (or ``await asyncio.to_thread(Syncer, async_llm,
+  ...)``), since its construction asks the workers for their facts.
+- **Generations in flight are kept.** An async framework generates while it syncs. Every write
+  pauses the engine with ``pause_generation(mode="keep")`` (requests frozen, not aborted),
+  writes, resets the prefix cache with ``reset_running_requests=True`` and resumes. The reset
+  preempts the kept requests, so vLLM recomputes their KV under the new weights before their
+  next token: a kept request's tokens after the sync are exactly what the new weights generate
+  after its prefix (a plain reset would fail silently while any request holds KV blocks and
+  leave the old weights' prefix cache in place).
+- **A version the engine reports** (`AsyncLLMEngine.weights_version`): derived from the
+  workers' ledger epoch (``in_engine/ledger.py``, `attestation`), which every sleep, wake,
+  reload and weight write by anyone advances, plus the id of the served adapter as the engine
+  lists it (adapter loads do not move the epoch). Nothing is counted on the trainer side, so a
+  sleep or a write someone else made changes it too. After every write, before resuming, the
+  version is also given to vLLM as its ``weight_version`` label (``update_weight_version``),
+  so each finished ``RequestOutput`` says which tokens which weights produced
+  (``outputs[0].weight_versions``, spans over token indexes): a request kept across a sync has
+  two spans. The label is set only by weightsync's writes; the version is the truth when
+  someone else changed the engine since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+from ...errors import EngineUnavailableError
+from ..base import register
+from .control import (
+    Control,
+    greedy_params,
+    greedy_result,
+    score_params,
+    score_result,
+)
+from .remote import RemoteVLLMEngine
+from .transports import Transport
+
+T = TypeVar("T")
+
+
+def version_label(epoch: Any, adapter_id: int | None) -> str | None:
+    """A compact string of an attested vLLM epoch (one ``(boot, epoch)`` per worker rank) and
+    the served adapter's id: ``"<boot[:12]>:<epoch>[,...][+lora<id>]"``; None without an epoch."""
+    if epoch is None:
+        return None
+    label = ",".join(f"{boot[:12]}:{n}" for boot, n in epoch)
+    return label if adapter_id is None else f"{label}+lora{adapter_id}"
+
+
+class AsyncLLMControl(Control):
+    """The control calls on a vLLM ``AsyncLLM`` created with
+    ``worker_extension_cls=WORKER_EXTENSION``, each run on the AsyncLLM's event loop and waited
+    for from the calling thread (see the module docstring).
+
+    Args:
+        async_llm: the ``AsyncLLM``.
+        loop: the event loop it runs on; default: the loop of its output handler (vLLM starts
+            it on the loop the AsyncLLM was created in, or first generated on).
+        timeout_s: how long one call may take.
+
+    Raises:
+        ValueError: no loop was given and the AsyncLLM has not run on one yet.
+    """
+
+    def __init__(
+        self,
+        async_llm: Any,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if loop is None:
+            handler = getattr(async_llm, "output_handler", None)
+            if handler is None:
+                raise ValueError(
+                    "this AsyncLLM has not run on an event loop yet (it starts its output "
+                    "handler on the loop it is created or first used in): pass loop=<its loop>"
+                )
+            loop = handler.get_loop()
+        self.async_llm = async_llm
+        self.loop: asyncio.AbstractEventLoop = loop
+        self.timeout_s = timeout_s
+        self._loras: dict[str, Any] = {}
+        self._next_id = 1
+
+    def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call()`` on the AsyncLLM's loop and wait for its result.
+
+        Raises:
+            RuntimeError: called on the loop's own thread (waiting would deadlock it).
+            EngineUnavailableError: the engine core died, the loop is closed, or no answer
+                within ``timeout_s``.
+        """
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs in this thread: fine
+            here = None
+        if here is self.loop:
+            raise RuntimeError(
+                "a synchronous weightsync call on the AsyncLLM's own event loop would "
+                "block the loop that must run it: from a coroutine on that loop use "
+                "`await syncer.async_sync(model)`, `await AsyncLLMEngine.open(async_llm)`, "
+                "or `await asyncio.to_thread(...)` for other calls"
+            )
+        if self.loop.is_closed() or not self.loop.is_running():
+            raise EngineUnavailableError(
+                "the event loop the AsyncLLM runs on is not running: nothing can reach it"
+            )
+
+        async def run() -> T:
+            return await call()
+
+        future = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        with self._answering():
+            try:
+                return future.result(self.timeout_s)
+            except concurrent.futures.TimeoutError as err:  # builtin TimeoutError from 3.11
+                future.cancel()
+                raise EngineUnavailableError(
+                    f"the AsyncLLM did not answer within {self.timeout_s:g} s (its event loop "
+                    "blocked, or its engine core hung); nothing more was sent to it"
+                ) from err
+
+    @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            yield
+        except EngineDeadError as err:
+            model = self.async_llm.model_config.model
+            raise EngineUnavailableError(
+                f"the AsyncLLM on {model} does not answer: its engine core died ({err}); "
+                "create a new AsyncLLM (and a new engine adapter for it)"
+            ) from err
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self._run(lambda: self.async_llm.collective_rpc(method, kwargs=kwargs or {}))
+
+    def pause(self) -> None:
+        # Requests in flight are frozen, not aborted; the caches are reset after the write.
+        self._run(lambda: self.async_llm.pause_generation(mode="keep", clear_cache=False))
+
+    def resume(self) -> None:
+        self._run(self.async_llm.resume_generation)
+
+    def reset_prefix_cache(self) -> None:
+        # Preempts the kept requests so their KV is recomputed under the new weights; without
+        # it vLLM refuses (returns False) while any request holds KV blocks.
+        if not self._run(lambda: self.async_llm.reset_prefix_cache(reset_running_requests=True)):
+            raise RuntimeError("the AsyncLLM did not reset its prefix cache")
+
+    def label(self, version: str) -> None:
+        """Give vLLM ``version`` as its weight-version label for the tokens generated next."""
+        self._run(lambda: self.async_llm.update_weight_version(version))
+
+    def loaded_id(self, name: str) -> int | None:
+        """The id of the adapter loaded under ``name``, if the engine lists it as loaded."""
+        request = self._loras.get(name)
+        if request is None or request.lora_int_id not in self._run(self.async_llm.list_loras):
+            return None
+        return int(request.lora_int_id)
+
+    def lora_request(self, name: str | None) -> Any:
+        """The ``LoRARequest`` of the adapter loaded under ``name`` (None: none)."""
+        return self._loras.get(name) if name else None
+
+    def load_lora(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        # A fresh id per version (add_lora keeps an adapter already loaded under an id), never
+        # one another adapter holds (the user's own, often id 1).
+        loaded = self._run(self.async_llm.list_loras)
+        while self._next_id in loaded:
+            self._next_id += 1
+        request = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self._run(lambda: self.async_llm.add_lora(request))
+        self._loras[name] = request
+
+    def unload_lora(self, name: str) -> None:
+        request = self._loras.pop(name, None)
+        if request is not None:
+            self._run(lambda: self.async_llm.remove_lora(request.lora_int_id))
+
+    async def _finish(self, prompt: list[int], params: Any, lora_request: Any) -> Any:
+        """Run one prompt (token ids) to completion; its last ``RequestOutput``."""
+        import uuid
+
+        from vllm.inputs import TokensPrompt
+
+        last = None
+        async for out in self.async_llm.generate(
+            TokensPrompt(prompt_token_ids=list(prompt)),
+            params,
+            f"weightsync-{uuid.uuid4().hex[:12]}",
+            lora_request=lora_request,
+        ):
+            last = out
+        return last
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        params, request = greedy_params(max_tokens), self.lora_request(lora)
+
+        async def batch() -> list[Any]:
+            return await asyncio.gather(*(self._finish(p, params, request) for p in prompts))
+
+        return [greedy_result(out) for out in self._run(batch)]
+
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
+        params, request = score_params(top_k), self.lora_request(lora)
+        # One prompt at a time with LoRA enabled: vLLM 0.32's CPU LoRA logits path fails on a
+        # batch of prompt_logprobs requests (see control.score_prompts).
+        one_by_one = self.async_llm.vllm_config.lora_config is not None
+
+        async def batch() -> list[Any]:
+            if one_by_one:
+                return [await self._finish(p, params, request) for p in prompts]
+            return await asyncio.gather(*(self._finish(p, params, request) for p in prompts))
+
+        return [score_result(out) for out in self._run(batch)]
+
+    def is_sleeping(self) -> bool:
+        return bool(self._run(self.async_llm.is_sleeping))
+
+    def sleep(self, level: int) -> None:
+        self._run(lambda: self.async_llm.sleep(level=level, mode="keep"))
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._run(lambda: self.async_llm.wake_up(tags=tags))
+
+
+@register
+class AsyncLLMEngine(RemoteVLLMEngine):
+    """A vLLM ``AsyncLLM`` created with ``worker_extension_cls=WORKER_EXTENSION``; its control
+    calls run on its event loop (`AsyncLLMControl`), its bytes go through ``transport``.
+
+    Usable from any thread but its loop's (a synchronous ``Syncer.sync``); from a coroutine on
+    that loop, ``await Syncer.async_sync(model)`` and ``await AsyncLLMEngine.open(async_llm)``.
+
+    Args:
+        async_llm: the ``AsyncLLM``.
+        loop: the event loop it runs on (default: see `AsyncLLMControl`).
+        transport: ``"tmpfs"`` (default), ``"gloo"``, or a `Transport`.
+        **kwargs: see `RemoteVLLMEngine`.
+    """
+
+    name = "vllm-asyncllm"
+    control: AsyncLLMControl
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        if not type(obj).__module__.startswith("vllm"):
+            return False
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return isinstance(obj, AsyncLLM)
+
+    def __init__(
+        self,
+        async_llm: Any,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        transport: str | Transport = "tmpfs",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(AsyncLLMControl(async_llm, loop=loop), transport=transport, **kwargs)
+        self.async_llm = async_llm
+
+    @classmethod
+    async def open(cls, async_llm: Any, **kwargs: Any) -> AsyncLLMEngine:
+        """Create the adapter from a coroutine on the AsyncLLM's own loop (the construction
+        asks the workers for their facts, in a worker thread)."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(lambda: cls(async_llm, loop=loop, **kwargs))
+
+    @property
+    def weights_version(self) -> str | None:
+        """The version of the weights the engine serves now, as the engine reports it: its
+        workers' ledger epoch (moved by every sleep, wake, reload and weight write, by anyone)
+        and the id of the served adapter as the engine lists it. Equal versions: the same
+        weights. `weightsync.SyncReport.weights_version` is this right after a sync."""
+        return version_label(
+            self.attest().epoch,
+            self.control.loaded_id(self.served_adapter) if self.served_adapter else None,
+        )
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` to generate with the synced adapter (None: no adapter served)."""
+        return self.control.lora_request(self.served_adapter)
+
+    def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
+        """`RemoteVLLMEngine`'s paused write, labelling vLLM's weight version before the
+        engine resumes, so the tokens generated after it carry the new version."""
+
+        def write_and_label() -> None:
+            write()
+            version = self.weights_version
+            if version is not None:
+                self.control.label(version)
+
+        super()._paused_write(what, write_and_label, base=base)

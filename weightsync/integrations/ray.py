@@ -1,0 +1,416 @@
+"""vLLM inside a Ray actor, synced from a trainer anywhere in the Ray cluster.
+
+Both halves live here, like vLLM's own ``vllm/distributed/weight_transfer/`` backends:
+
+- **engine side**, inside the framework's actor: `WeightsyncActor`, a mixin the actor class
+  inherits. The actor creates its ``vllm.LLM`` with weightsync's worker extension and the engine
+  core in its own process (`actor_llm` does both), and calls ``self.weightsync_attach(llm)``.
+  The mixin adds one actor method, ``weightsync_call``, through which the trainer reaches the
+  engine; the actor's own methods (its ``generate``) are untouched.
+- **trainer side**: `RayVLLMEngine(actor)`, an `Engine` over the actor's handle, which
+  ``Syncer``, ``policy``, every strategy and ``Replicas`` take like any engine (``adapt`` takes
+  the raw handle too once this module is imported).
+
+Where the cut is, and why. `RayVLLMEngine` *is* `RemoteVLLMEngine` (``engines/vllm/remote.py``)
+with two new halves: `RayControl`, which forwards each `Control` call to the actor (where an
+`LLMControl` makes it on the actor's ``LLM``), and `RayObjectStoreTransport` for the bytes.
+Everything that makes a sync exact is then the code every out-of-process engine already runs:
+the facts and the epoch come from the workers (``weightsync_facts``, ``weightsync_attest``: the
+worker ledger, ``in_engine/ledger.py``), not from anything kept on the trainer's side; writes
+recover part-way failures inside the worker (``model_ops.reload``) and mark the base lost; an
+adapter is checked, versioned and swapped as for a server. Cutting at the `Engine` interface
+instead (an in-process `VLLMEngine` in the actor, its calls forwarded) would have put a second
+`Engine` -- a second record of what the engine holds, a second guard -- in the actor, and every
+`Engine` method would need a forwarder; a `Control` has eleven small calls and no state.
+
+Why the engine core runs in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inside the
+actor, which `actor_llm` sets): the worker then lives in the process that reads the object
+store, so the bytes go from Ray's shared memory straight into vLLM's parameters, by reference
+through ``collective_rpc(model_ops.reload, ...)`` -- no second hop through tmpfs or vLLM's
+message queue. The actor is busy while its ``LLM`` generates anyway (a synchronous ``LLM``), and
+Ray runs one actor call at a time, so no request is in flight while the trainer writes. The cost:
+one worker per actor (tensor parallel size 1); `WeightsyncActor.weightsync_attach` refuses a
+multiprocess engine core, naming this.
+
+Bytes: through Ray's object store, nothing of weightsync's own between nodes. Each bucket is
+packed once into a safetensors payload (``wire.format.pack``, the one writer), tagged
+(``wire.tags``), and ``ray.put``; the actor gets every payload (on the trainer's node: a
+read-only view of the shared memory, no copy; on another node Ray pulls it into that node's
+store), checks every tag before loading any (a bucket altered in the store refuses the sync with
+nothing loaded, as for files), then streams the tensors as views (``wire.format.views``, the
+one reader) into the layerwise reload. The key travels in the load call's arguments, the
+control path; the tags beside the references. All buckets are put before the load call, so the
+object store holds one copy of the weights during a sync (released when it returns) and a
+failure while producing buckets never reaches the engine. Measured at 0.5B against the gloo
+transport (``docs/ray.md``). Adapters travel the same way and are written to a folder on the
+actor's node (its LoRA loader reads from a folder), the two newest versions kept.
+
+Deadlines: every actor call waits at most ``timeout_s``. An actor that died (killed, its node
+lost) or did not answer in time raises `EngineUnavailableError`, never a Ray error; an error the
+actor's code raised is raised as itself.
+
+Security (docs/security.md): Ray itself authenticates nobody by default -- whoever reaches the
+cluster can call the actor. The tags make sure the bytes loaded are those the caller of
+``weightsync_call`` put, with a key fresh per sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import timing
+from ..engines.base import register
+from ..engines.vllm.control import WORKER_EXTENSION, Control, LLMControl
+from ..engines.vllm.in_engine import model_ops
+from ..engines.vllm.remote import RemoteVLLMEngine
+from ..engines.vllm.transports import Rpc, Transport
+from ..errors import EngineUnavailableError
+from ..plan import Bucket
+from ..wire import format as fmt
+from ..wire import scratch
+from ..wire.protocol import Outcome
+from ..wire.tags import Signer, check
+
+__all__ = [
+    "RayControl",
+    "RayObjectStoreTransport",
+    "RayVLLMEngine",
+    "WeightsyncActor",
+    "actor_llm",
+]
+
+#: How long one actor call may take by default (a full sync of a large model is one call).
+TIMEOUT_S = 600.0
+
+#: The RPC names the actor answers itself (the bytes from the object store); every other name
+#: goes to vLLM's workers through ``collective_rpc``.
+LOAD_OBJECTS = "weightsync_load_objects"
+RECEIVE_ADAPTER = "weightsync_receive_object_adapter"
+DROP_ADAPTERS = "weightsync_drop_adapters"
+
+#: What ``weightsync_call`` forwards to the actor's `LLMControl` (the `Control` interface).
+_CONTROL_CALLS = frozenset(
+    {
+        "rpc",
+        "pause",
+        "resume",
+        "reset_prefix_cache",
+        "load_lora",
+        "unload_lora",
+        "generate",
+        "score",
+        "is_sleeping",
+        "sleep",
+        "wake_up",
+    }
+)
+
+
+# --- engine side: inside the framework's actor ---------------------------------------------------
+
+
+def actor_llm(model: str, **options: Any) -> Any:
+    """A ``vllm.LLM`` for a Ray actor that `WeightsyncActor` can serve: weightsync's worker
+    extension, and the engine core in this process (see the module docstring for why).
+
+    Raises:
+        RuntimeError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than ``0``.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError(
+            "a Ray actor synced by weightsync runs vLLM's engine core in its own process: set "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the actor's environment"
+        )
+    from vllm import LLM
+
+    return LLM(model=model, worker_extension_cls=WORKER_EXTENSION, **options)
+
+
+class WeightsyncActor:
+    """Mixin for a Ray actor class holding a ``vllm.LLM``: the engine side of `RayVLLMEngine`.
+
+    ::
+
+        @ray.remote
+        class Rollout(WeightsyncActor):
+            def __init__(self, checkpoint):
+                self.llm = actor_llm(checkpoint, enable_lora=True)
+                self.weightsync_attach(self.llm)
+
+            def generate(self, prompts, params): ...
+
+    Only ``weightsync_call`` is an actor method the trainer uses; it answers `Control` calls
+    through an `LLMControl` on the ``LLM``, and the calls of `RayObjectStoreTransport` (load
+    buckets, receive an adapter, drop the adapter folders) itself.
+    """
+
+    _weightsync_control: LLMControl | None = None
+    _weightsync_adapters: Path | None = None
+
+    def weightsync_attach(self, llm: Any) -> None:
+        """Serve ``llm`` (created with weightsync's worker extension, engine core in process).
+
+        Raises:
+            ValueError: the ``LLM`` runs its engine core in another process.
+        """
+        from vllm.v1.engine.core_client import InprocClient
+
+        if not isinstance(llm.llm_engine.engine_core, InprocClient):
+            raise ValueError(
+                "this LLM runs its engine core in another process: a Ray actor synced by "
+                "weightsync holds it in process (create it with weightsync.integrations.ray."
+                "actor_llm, or VLLM_ENABLE_V1_MULTIPROCESSING=0 in the actor's environment)"
+            )
+        self._weightsync_control = LLMControl(llm)
+
+    def weightsync_call(self, call: str, *args: Any) -> Any:
+        """One `Control` call (``call`` names the method), or a byte call of the transport
+        (``rpc`` with `LOAD_OBJECTS`, `RECEIVE_ADAPTER` or `DROP_ADAPTERS`)."""
+        control = self._weightsync_control
+        if control is None:
+            raise RuntimeError("the actor has not called weightsync_attach(llm) yet")
+        if call not in _CONTROL_CALLS:
+            raise ValueError(f"weightsync_call: unknown call {call!r}")
+        if call == "rpc":
+            method, kwargs = args[0], args[1] or {}
+            if method == LOAD_OBJECTS:
+                return [self._weightsync_load(**kwargs).to_json()]
+            if method == RECEIVE_ADAPTER:
+                return [self._weightsync_adapter(**kwargs).to_json()]
+            if method == DROP_ADAPTERS:
+                if self._weightsync_adapters is not None:
+                    shutil.rmtree(self._weightsync_adapters, ignore_errors=True)
+                    self._weightsync_adapters = None
+                return [Outcome().to_json()]
+        return getattr(control, call)(*args)
+
+    def _weightsync_payloads(self, refs: list[Any], key: str, tags: list[str]) -> list[Any]:
+        """Every payload of ``refs``, each checked against its tag (before any is loaded)."""
+        import ray
+
+        payloads = ray.get(list(refs))
+        if key:
+            if len(tags) != len(payloads):
+                raise ValueError(f"{len(payloads)} buckets came with {len(tags)} tags")
+            for i, (payload, tag) in enumerate(zip(payloads, tags, strict=True)):
+                check(key, tag, f"bucket {i} from the object store", payload)
+        return payloads
+
+    def _weightsync_load(
+        self, refs: list[Any], key: str = "", tags: list[str] | None = None
+    ) -> Outcome:
+        """Load the buckets the trainer put in the object store (`RayObjectStoreTransport`)."""
+        assert self._weightsync_control is not None
+        try:
+            payloads = self._weightsync_payloads(refs, key, tags or [])
+        except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
+            return Outcome.failed(e)
+        llm = self._weightsync_control.llm
+        outcome: Outcome = llm.collective_rpc(
+            model_ops.reload, kwargs={"weights": _views(payloads)}
+        )[0]
+        return outcome
+
+    def _weightsync_adapter(
+        self, ref: Any, version: int, config: str, key: str = "", tag: str = ""
+    ) -> Outcome:
+        """Write an adapter version from the object store to a folder on this node; its path
+        is the outcome's value."""
+        try:
+            (payload,) = self._weightsync_payloads([ref], key, [tag] if key else [])
+            if self._weightsync_adapters is None:
+                self._weightsync_adapters = scratch.scratch_dir(self, "adapters")
+            folder = self._weightsync_adapters / f"adapter-v{int(version):06d}"
+            fmt.write_adapter(folder, list(_views([payload])), json.loads(config))
+            for old in sorted(folder.parent.glob("adapter-v*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return Outcome.failed(e)
+        return Outcome(value=str(folder))
+
+
+def _views(payloads: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of every payload as views into the object store's memory. Ray hands the
+    payload out read-only; the reload only reads it (it copies into the parameters), so torch's
+    warning about a non-writable buffer is silenced here."""
+    for payload in payloads:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            pairs = list(fmt.views(payload))
+        yield from pairs
+
+
+# --- trainer side -------------------------------------------------------------------------------
+
+
+class RayControl(Control):
+    """The `Control` calls made on a `WeightsyncActor` through its handle, each with a
+    deadline.
+
+    Args:
+        actor: the handle of an actor whose class inherits `WeightsyncActor`.
+        timeout_s: how long one call may take.
+
+    Every call raises `EngineUnavailableError` when the actor is dead (killed, its node lost)
+    or does not answer within ``timeout_s``; an error the actor's code raised is raised as
+    itself (Ray's wrapper is taken off)."""
+
+    def __init__(self, actor: Any, *, timeout_s: float = TIMEOUT_S) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"the Ray actor {self.actor!r}"  # Actor(<class>, <actor id>)
+
+    def call(self, call: str, *args: Any) -> Any:
+        """``weightsync_call(call, *args)`` on the actor, within the deadline."""
+        import ray
+        from ray import exceptions as rex
+
+        try:
+            return ray.get(self.actor.weightsync_call.remote(call, *args), timeout=self.timeout_s)
+        except rex.RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+        except rex.GetTimeoutError as err:
+            raise EngineUnavailableError(
+                f"{self!r} did not answer {call} within {self.timeout_s:g} s: it is hung, "
+                "overloaded or busy with a long call; nothing more was sent to it"
+            ) from err
+        except rex.RayError as err:  # the actor died, its node is gone, its objects are lost
+            raise EngineUnavailableError(
+                f"{self!r} does not answer ({call}): {type(err).__name__}: {err}. The actor is "
+                "gone; create a new one (and a new engine adapter for it)"
+            ) from err
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return list(self.call("rpc", method, kwargs))
+
+    def pause(self) -> None:
+        self.call("pause")
+
+    def resume(self) -> None:
+        self.call("resume")
+
+    def reset_prefix_cache(self) -> None:
+        self.call("reset_prefix_cache")
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.call("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.call("unload_lora", name)
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        return list(self.call("generate", prompts, max_tokens, lora))
+
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
+        return list(self.call("score", prompts, top_k, lora))
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call("is_sleeping"))
+
+    def sleep(self, level: int) -> None:
+        self.call("sleep", level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.call("wake_up", tags)
+
+
+class RayObjectStoreTransport(Transport):
+    """Buckets through Ray's object store (see the module docstring): packed and tagged here,
+    ``ray.put``, fetched and checked by the actor, loaded from the store's memory.
+
+    Args:
+        tagged: tag every bucket (``wire.tags``); the actor checks them all before loading any.
+    """
+
+    name = "ray"
+
+    def __init__(self, *, tagged: bool = True) -> None:
+        self.tagged = tagged
+
+    def _put(self, pairs: fmt.Pairs, signer: Signer | None) -> tuple[Any, str]:
+        import ray
+
+        with timing.span("serialize"):
+            payload = fmt.pack(pairs).numpy()
+            tag = signer.sign(payload) if signer is not None else ""
+            return ray.put(payload), tag
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        signer = Signer() if self.tagged else None
+        refs, tags = [], []
+        for bucket in buckets:  # a failure here: nothing reached the engine
+            ref, tag = self._put(bucket, signer)
+            refs.append(ref)
+            tags.append(tag)
+        proof = {"key": signer.key_hex, "tags": tags} if signer is not None else {}
+        rpc(LOAD_OBJECTS, {"refs": refs, **proof})
+
+    def put_adapter(
+        self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
+    ) -> str | None:
+        """The adapter through the object store; the actor writes it to a folder on its own
+        node (its LoRA loader reads folders) and that path is returned."""
+        signer = Signer() if self.tagged else None
+        ref, tag = self._put(list(tensors.items()), signer)
+        kwargs: dict[str, Any] = {
+            "ref": ref,
+            "version": version,
+            "config": json.dumps(config, default=str),
+        }
+        if signer is not None:
+            kwargs |= {"key": signer.key_hex, "tag": tag}
+        return str(rpc(RECEIVE_ADAPTER, kwargs)[0].value)
+
+
+@register
+class RayVLLMEngine(RemoteVLLMEngine):
+    """A ``vllm.LLM`` inside a Ray actor (its class inherits `WeightsyncActor`), reached
+    through the actor's handle; see the module docstring.
+
+    Args:
+        actor: the actor's handle.
+        transport: ``"ray"`` (the object store, any node), or another `Transport` the actor's
+            workers can be reached by (``"tmpfs"`` on the trainer's node, ``"gloo"``).
+        timeout_s: how long one actor call may take (`RayControl`).
+        kwargs: as for `RemoteVLLMEngine` (``lora_name``, ...).
+    """
+
+    name = "vllm-ray"
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        if not type(obj).__module__.startswith("ray"):
+            return False
+        from ray.actor import ActorHandle
+
+        return isinstance(obj, ActorHandle) and hasattr(obj, "weightsync_call")
+
+    def __init__(
+        self,
+        actor: Any,
+        *,
+        transport: str | Transport = "ray",
+        timeout_s: float = TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        self.actor = actor
+        chosen = RayObjectStoreTransport() if transport == "ray" else transport
+        super().__init__(RayControl(actor, timeout_s=timeout_s), transport=chosen, **kwargs)
+
+    def describe(self) -> str:
+        return f"{super().describe()} in {self.control!r} (bytes: {self.transport.name})"
