@@ -29,7 +29,7 @@ merged into the weights, LoRA served by the engine. Engines, shared by the modul
 
 Profiles (``test_found_before`` always replays the walks that found bugs, see ``FOUND``)::
 
-    pytest -q tests/test_lifecycle_fuzz.py                          # short: seeds 0-11, 8 steps
+    pytest -q tests/test_lifecycle_fuzz.py                          # short: seeds 0-11, 6 steps
     WEIGHTSYNC_FUZZ_STEPS=500 WEIGHTSYNC_FUZZ_SEEDS=0-47 pytest ...  # long
     WEIGHTSYNC_FUZZ_SEED=7 WEIGHTSYNC_FUZZ_STEPS=40 pytest ...       # replay one seed
 
@@ -87,7 +87,7 @@ def _seeds() -> list[int]:
     return seeds
 
 
-STEPS = int(os.environ.get("WEIGHTSYNC_FUZZ_STEPS", "8"))
+STEPS = int(os.environ.get("WEIGHTSYNC_FUZZ_STEPS", "6"))
 SEEDS = _seeds()
 
 pytestmark = pytest.mark.timeout(max(900, 60 * STEPS * len(SEEDS)))
