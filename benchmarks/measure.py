@@ -114,3 +114,17 @@ def measure(
                 runs.phases.append(runs.result[3])
         tick()
     return runs
+
+
+def timed_runs(sync: Any, model: Any, engine: Any, runs: int) -> dict[str, Any]:
+    """A warm-up sync, then ``runs`` timed ones (``sync.sync(model, engine)``): their median,
+    min and max seconds (each sync's own `SyncReport.seconds`) and the bytes one sends."""
+    sync.sync(model, engine)  # warm-up
+    reports = [sync.sync(model, engine) for _ in range(runs)]
+    seconds = [r.seconds for r in reports]
+    return {
+        "median_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "max_s": max(seconds),
+        "bytes": reports[-1].bytes,
+    }

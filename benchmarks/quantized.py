@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +47,8 @@ def _run(label: str, option: str | None, checkpoint: str, model, runs: int) -> d
     from weightsync.engines import VLLMEngine
     from weightsync.verify import canary_prompts
 
+    from .measure import timed_runs
+
     options = {"quantization": option} if option else {}
     engine = VLLMEngine(
         T.make_llm(checkpoint, dtype="bfloat16", kv_cache_bytes=256 << 20, **options)
@@ -58,19 +59,8 @@ def _run(label: str, option: str | None, checkpoint: str, model, runs: int) -> d
         return engine.greedy_batch(T.PROMPTS, 8), engine.score_batch(prompts, 8)
 
     fresh = served(engine)
-    sync = FullSync(skip_unchanged=False)
-    sync.sync(model, engine)  # warm-up
-    reports = [sync.sync(model, engine) for _ in range(runs)]
-    exact = served(engine) == fresh
-    seconds = [r.seconds for r in reports]
-    row = {
-        "engine": label,
-        "median_s": statistics.median(seconds),
-        "min_s": min(seconds),
-        "max_s": max(seconds),
-        "bytes": reports[-1].bytes,
-        "exact": exact,
-    }
+    row = {"engine": label, **timed_runs(FullSync(skip_unchanged=False), model, engine, runs)}
+    row["exact"] = served(engine) == fresh
     return row  # the engine goes with this frame (collected by the caller)
 
 

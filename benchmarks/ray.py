@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 
 # Before Ray is imported (see ``ray_cluster``): every address on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -33,17 +32,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 def _row(label: str, sync, model, engine, runs: int) -> dict:
     from weightsync.verify import check_engine
 
-    sync.sync(model, engine)  # warm-up
-    reports = [sync.sync(model, engine) for _ in range(runs)]
+    from .measure import timed_runs
+
+    row = {"sync": label, **timed_runs(sync, model, engine, runs)}
     check_engine(model, engine, strategy="FullSync")  # raises unless the trainer's
-    seconds = [r.seconds for r in reports]
-    row = {
-        "sync": label,
-        "median_s": statistics.median(seconds),
-        "min_s": min(seconds),
-        "max_s": max(seconds),
-        "bytes": reports[-1].bytes,
-    }
     print(
         f"| {label} | {row['median_s']:.3f} ({row['min_s']:.3f}-{row['max_s']:.3f}) "
         f"| {row['bytes'] / 1e9:.2f} GB |",
