@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
+from weightsync.errors import BytesRejectedError
+from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
 from weightsync.wire import gloo
 from weightsync.wire.protocol import EngineFacts, LoraLimits, Outcome, raise_failures
+from weightsync.wire.tags import Signer
 
 
 def test_engine_facts_survive_json():
@@ -119,3 +123,152 @@ def test_a_trainer_failure_part_way_aborts_the_workers(ranks):
     with pytest.raises(RuntimeError, match="ran out of memory"):  # the trainer's error, the cause
         gloo.send(trainer, buckets(), received)
     assert received.result() == (["a"], True)
+
+
+# --- deltas (wire.delta): only the changed words ---------------------------------------------
+
+
+def _step(payload: np.ndarray, where: list[int], seed: int = 0) -> np.ndarray:
+    """``payload`` with the bytes at ``where`` changed (as a training step changes a few)."""
+    new = payload.copy()
+    new[where] ^= np.random.default_rng(seed).integers(1, 256, len(where), dtype=np.uint8)
+    return new
+
+
+@pytest.mark.parametrize("size", [300_000, 300_001])  # 16-bit words; 8-bit for an odd length
+def test_a_delta_patches_the_base_into_the_new_bytes_exactly(size):
+    base = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    # changes at both ends and a gap longer than one entry spans (bridged by no-op entries)
+    new = _step(base, [0, 1, 7, 8, 9, 200_000, size - 1])
+    delta = delta_mod.diff(base, new, "tag-of-base")
+    assert delta.word == (2 if size % 2 == 0 else 1)
+    assert (delta.gaps > 0).all() and len(delta.gaps) <= 7 + size // delta_mod.MAX_GAP
+    back = delta_mod.Delta.from_bytes(delta.to_bytes())
+    assert back.base == "tag-of-base" and back.nbytes == delta.nbytes < 200
+    patched = base.copy()
+    back.apply(patched)
+    assert np.array_equal(patched, new)
+    unchanged = delta_mod.diff(base, base, "t")
+    assert len(unchanged.gaps) == 0
+    patched = base.copy()
+    unchanged.apply(patched)
+    assert np.array_equal(patched, base)
+
+
+def test_a_delta_that_does_not_fit_is_refused():
+    base = np.zeros(64, dtype=np.uint8)
+    delta = delta_mod.diff(base, _step(base, [63]), "t")
+    with pytest.raises(BytesRejectedError, match="bucket of 64 bytes arrived for a copy of 32"):
+        delta.apply(np.zeros(32, dtype=np.uint8))
+    wire = delta.to_bytes()
+    with pytest.raises(BytesRejectedError, match="malformed"):
+        delta_mod.Delta.from_bytes(wire[:-1])
+    # a gap altered on the way: past the end, refused with the copy untouched
+    meta = 8 + int.from_bytes(wire[:8].tobytes(), "little")
+    wire[meta : meta + 2] = np.frombuffer(np.uint16(0xFFFF).tobytes(), dtype=np.uint8)
+    copy = base.copy()
+    with pytest.raises(BytesRejectedError, match="past the end"):
+        delta_mod.Delta.from_bytes(wire).apply(copy)
+    assert not copy.any()
+
+
+def test_deltas_only_against_the_copy_every_worker_reports():
+    """The trainer's half sends a delta only for a bucket of the same layout at the same index,
+    after a sync every worker reported with the id it left; any doubt sends the bucket whole."""
+    sent = delta_mod.SentCopies()
+    a = fmt.pack([("w", torch.randn(64, 64, dtype=torch.bfloat16))]).numpy()
+    first = sent.begin([None])
+    assert sent.next(a, "tag-a") is None  # nothing kept yet: whole
+    sent.commit()
+    assert sent.synced == first
+    b = _step(a, [a.size - 2])
+    sent.begin([first])
+    delta = sent.next(b, "tag-b")
+    assert delta is not None and delta.base == "tag-a"
+    assert sent.last.delta_buckets == 1 and sent.last.wire_bytes < sent.last.bucket_bytes / 10
+    sent.reset()  # a failed sync: whole next time, whatever the workers say
+    sent.begin([first])
+    assert sent.next(b, "tag-b2") is None
+    sent.commit()
+    other = fmt.pack([("w", torch.randn(32, 128, dtype=torch.bfloat16))]).numpy()  # same size
+    assert other.size == b.size
+    for reported, bucket in [(["someone-else"], b), ([sent.synced], other)]:
+        sent.begin(reported)  # another trainer's sync; another layout at the index
+        assert sent.next(bucket, "t") is None
+        sent.commit()
+
+
+@pytest.fixture
+def delta_stream(ranks):
+    """Send the buckets of each sync over the loopback group with deltas: the trainer's copies,
+    the worker's, and ``sync(buckets)`` -> what the worker received (or raises its error)."""
+    trainer, worker, pool = ranks
+    sent, loaded = delta_mod.SentCopies(), delta_mod.LoadedCopies()
+
+    def receive(key: str, sync_id: str) -> list[tuple[str, torch.Tensor]]:
+        receiver = gloo.Receiver(worker, key, loaded)
+        loaded.begin()
+        try:
+            got = [(n, t.clone()) for n, t in receiver]
+        except BaseException:
+            loaded.clear()
+            receiver.drain()
+            raise
+        loaded.commit(sync_id, receiver.buckets)
+        return got
+
+    def sync(buckets):
+        signer = Signer()
+        sync_id = sent.begin([loaded.synced])
+        received = pool.submit(receive, signer.key_hex, sync_id)
+
+        def send_one(group, bucket, signer):
+            gloo.send_bucket(group, bucket, signer, sent)
+
+        try:
+            gloo.send(trainer, buckets, received, send_one, signer)
+        except BaseException:
+            sent.reset()
+            raise
+        sent.commit()
+        return dict(received.result())
+
+    return sent, loaded, sync
+
+
+def test_a_delta_stream_loads_what_a_full_one_does(delta_stream):
+    sent, loaded, sync = delta_stream
+    gen = torch.Generator().manual_seed(0)
+    model = {f"w{i}": torch.randn(96, 64, generator=gen).to(torch.bfloat16) for i in range(3)}
+    buckets = lambda: [[(n, model[n])] for n in sorted(model)]  # noqa: E731
+    sync(buckets())
+    assert sent.last.full_buckets == 3
+    for t in model.values():  # a small step: a few elements change
+        t.view(-1)[::97] += 0.5
+    got = sync(buckets())
+    assert (sent.last.full_buckets, sent.last.delta_buckets) == (0, 3)
+    assert sent.last.wire_bytes < sent.last.bucket_bytes / 10
+    assert all(torch.equal(got[n], t) for n, t in model.items())
+    for i, bucket in enumerate(buckets()):  # the worker's copies: byte for byte the full pack
+        assert np.array_equal(loaded.copy(i), fmt.pack(bucket).numpy())
+    assert loaded.synced == sent.synced is not None
+
+
+def test_a_forged_delta_is_refused_and_the_next_sync_is_whole(delta_stream, monkeypatch):
+    sent, loaded, sync = delta_stream
+    model = {"w": torch.randn(128, 64).to(torch.bfloat16)}
+    sync([list(model.items())])
+    model["w"].view(-1)[::50] += 1.0
+    forged = delta_mod.Delta.apply
+
+    def flip_one(self, base):  # an altered delta, or a base that is not what the trainer diffed
+        forged(self, base)
+        base[-1] ^= 1
+
+    monkeypatch.setattr(delta_mod.Delta, "apply", flip_one)
+    with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
+        sync([list(model.items())])
+    monkeypatch.undo()
+    assert loaded.synced is None and sent.synced is None and loaded.copy(0) is None
+    got = sync([list(model.items())])
+    assert sent.last.full_buckets == 1 and torch.equal(got["w"], model["w"])

@@ -20,6 +20,12 @@ Who gets in. torch's ``TCPStore`` listens on every interface and has no authenti
 - with a sync's `Signer` (``wire.tags``) each bucket and the END frame are followed by a TAG
   frame: the keyed tag of the header and payload, its nonce the frame's number, so a worker
   refuses an altered, replayed or truncated stream before loading a byte of it.
+
+Deltas (``wire.delta``): with the trainer's `SentCopies` and a worker's `LoadedCopies`, a bucket
+whose base the worker holds travels as a DELTA frame (header ``[DELTA, len]``, the encoded
+delta), followed by the TAG frame of the bucket a full sync would have sent (its BUCKET header
+and whole payload): the worker patches its copy and checks that tag on the result, so what it
+loads is byte-identical to the full frame or refused.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from typing import Any
 
 import torch
 
+from ..errors import BytesRejectedError
 from . import format as fmt
+from .delta import Delta, LoadedCopies, SentCopies
 from .protocol import Outcome
 from .tags import Signer, check
 
-FRAME_BUCKET, FRAME_END, FRAME_ABORT = 1, 0, -1
+FRAME_BUCKET, FRAME_END, FRAME_ABORT, FRAME_DELTA = 1, 0, -1, 2
 
 #: Bytes of one rank's outcome in `gather_outcomes` (a longer message is cut).
 OUTCOME_BYTES = 4096
@@ -129,21 +137,43 @@ def _tag_frame(tag: str) -> torch.Tensor:
     return frame
 
 
-def _signed(group: Any, signer: Signer | None, header: torch.Tensor, *payload: Any) -> None:
+def _signed(
+    group: Any, signer: Signer | None, header: torch.Tensor, *payload: Any, tag: str = ""
+) -> None:
     """Broadcast ``header`` and ``payload``, then (with ``signer``) the tag of what this rank
-    holds before sending: bytes changed on the way cannot match it."""
-    tag = None if signer is None else signer.sign(header.numpy(), *(p.numpy() for p in payload))
+    holds before sending (``tag``: one made already): bytes changed on the way cannot match
+    it."""
+    if signer is not None and not tag:
+        tag = signer.sign(header.numpy(), *(p.numpy() for p in payload))
     broadcast(group, header)
     for part in payload:
         broadcast(group, part)
-    if tag is not None:
+    if tag:
         broadcast(group, _tag_frame(tag))
 
 
-def send_bucket(group: Any, bucket: fmt.Pairs, signer: Signer | None = None) -> None:
-    """One bucket frame: its header, the bucket's bytes, and (with ``signer``) their tag."""
+def send_bucket(
+    group: Any,
+    bucket: fmt.Pairs,
+    signer: Signer | None = None,
+    copies: SentCopies | None = None,
+) -> None:
+    """One bucket frame: its header, the bucket's bytes, and (with ``signer``) their tag; with
+    ``copies`` (which need a ``signer``), a DELTA frame instead when ``copies`` has a base."""
     payload = fmt.pack(bucket)
-    _signed(group, signer, _header(FRAME_BUCKET, payload.numel()), payload)
+    header = _header(FRAME_BUCKET, payload.numel())
+    if copies is None:
+        _signed(group, signer, header, payload)
+        return
+    if signer is None:
+        raise ValueError("a delta is checked by the tag of the full bucket: sign the stream")
+    tag = signer.sign(header.numpy(), payload.numpy())
+    delta = copies.next(payload.numpy(), tag)
+    if delta is None:
+        _signed(group, signer, header, payload, tag=tag)
+    else:
+        wire = torch.from_numpy(delta.to_bytes())
+        _signed(group, signer, _header(FRAME_DELTA, wire.numel()), wire, tag=tag)
 
 
 def send(
@@ -184,26 +214,67 @@ class Receiver:
         group: the worker's end of the group.
         key: the sync's tag key (``wire.tags``) when the trainer tags the stream: every bucket
             is checked before its tensors are yielded, and the END frame's count too.
+        copies: this worker's kept copies (``wire.delta``) when the trainer sends deltas: each
+            whole bucket is kept there, each DELTA frame patches one and is checked as the
+            whole bucket. Without them a DELTA frame is refused.
     """
 
-    def __init__(self, group: Any, key: str = "") -> None:
+    def __init__(self, group: Any, key: str = "", copies: LoadedCopies | None = None) -> None:
         self.group = group
         self.key = key
+        self.copies = copies
         self.finished = False  # the END or ABORT frame was received
         self._frames = 0  # tagged frames checked so far (the next one's nonce)
         self._buckets = 0
         self._draining = False
 
-    def _check(self, what: str, *parts: torch.Tensor) -> None:
-        if not self.key:
-            return
+    @property
+    def buckets(self) -> int:
+        """Buckets received and checked so far."""
+        return self._buckets
+
+    def _tag(self) -> str:
+        """The TAG frame that follows a frame (received even when draining, so the stream
+        stays in step)."""
         frame = torch.zeros(TAG_FRAME_BYTES, dtype=torch.uint8)
         broadcast(self.group, frame)
+        return bytes(frame.numpy()).rstrip(b"\0").decode(errors="replace")
+
+    def _check(self, what: str, *parts: Any) -> str:
+        if not self.key:
+            return ""
+        tag = self._tag()
         if self._draining:
-            return
-        tag = bytes(frame.numpy()).rstrip(b"\0").decode(errors="replace")
-        check(self.key, tag, what, *(p.numpy() for p in parts), expect=self._frames)
+            return tag
+        check(
+            self.key,
+            tag,
+            what,
+            *(p.numpy() if torch.is_tensor(p) else p for p in parts),
+            expect=self._frames,
+        )
         self._frames += 1
+        return tag
+
+    def _patched(self, payload: torch.Tensor) -> Any:
+        """The bucket a DELTA frame's ``payload`` patches this worker's copy into, checked
+        against the tag of the whole bucket; None when draining."""
+        tag = self._tag() if self.key else ""
+        if self._draining:
+            return None
+        what = f"bucket {self._buckets} of the stream (a delta)"
+        if self.copies is None or not self.key:
+            raise BytesRejectedError(
+                f"{what}: this worker keeps no copies to patch (or the stream is not tagged): "
+                "nothing of it was loaded"
+            )
+        delta = Delta.from_bytes(payload.numpy())
+        patched = self.copies.patch(self._buckets, delta)
+        whole = _header(FRAME_BUCKET, delta.size).numpy()
+        check(self.key, tag, what, whole, patched, expect=self._frames)
+        self.copies.loaded(self._buckets, tag)
+        self._frames += 1
+        return patched
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while not self.finished:
@@ -224,9 +295,17 @@ class Receiver:
                 raise RuntimeError("the trainer aborted this weight update part-way")
             payload = torch.empty(payload_len, dtype=torch.uint8)
             broadcast(self.group, payload)
-            self._check(f"bucket {self._buckets} of the stream", header, payload)
+            if kind == FRAME_DELTA:
+                data = self._patched(payload)
+            else:
+                tag = self._check(f"bucket {self._buckets} of the stream", header, payload)
+                data = payload.numpy()
+                if self.copies is not None and tag and not self._draining:
+                    self.copies.keep(self._buckets, data, tag)
+            if self._draining:
+                continue
             self._buckets += 1
-            yield from fmt.views(payload.numpy())
+            yield from fmt.views(data)
 
     def drain(self) -> None:
         """Consume the rest of the stream unchecked (nothing of it is loaded), so the trainer's

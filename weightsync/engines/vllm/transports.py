@@ -45,6 +45,7 @@ from ... import timing
 from ...plan import Bucket
 from ...wire import format as fmt
 from ...wire import gloo
+from ...wire.delta import SentCopies, WireCount
 from ...wire.files import KeptFiles, Written, bucket_name, sign_file, write_folder
 from ...wire.protocol import InitInfo, Outcome, UpdateInfo, raise_failures
 from ...wire.scratch import private_dir, scratch_dir
@@ -183,10 +184,19 @@ class GlooTransport(Transport):
         timeout_s: how long a broadcast waits for a peer before failing.
         tagged: tag every bucket in the stream (``wire.tags``); the workers check each before
             loading it.
+        delta: send only the changed elements of a bucket whose base the workers hold
+            (``wire.delta``, docs/delta.md): after a training step of a bf16 engine a few
+            percent of the bytes. Costs one copy of the weights kept here and one in each of
+            the engine's workers between syncs, and a compare pass per bucket; needs
+            ``tagged``. Off by default: the memory is the user's to give.
 
     The rendezvous listens on ``host`` only, under a secret the workers get over the control
     channel (``wire.gloo``). A server's workers hold one gloo group: one gloo engine per server
     at a time.
+
+    Raises:
+        ValueError: ``delta`` without ``tagged`` (the tag of the whole bucket is what proves a
+            patched bucket exact).
     """
 
     name = "gloo"
@@ -198,16 +208,36 @@ class GlooTransport(Transport):
         timeout_s: float = 300.0,
         *,
         tagged: bool = True,
+        delta: bool = False,
     ) -> None:
+        if delta and not tagged:
+            raise ValueError(
+                "GlooTransport(delta=True) needs tagged=True: a patched bucket is proven "
+                "byte-identical to the whole one by the whole bucket's tag"
+            )
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
         self.tagged = tagged
+        self._copies = SentCopies() if delta else None
+        self._rpc: Rpc | None = None
         self._group: Any = None
         self._store: Any = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
 
+    @property
+    def delta(self) -> bool:
+        """Whether this transport sends deltas."""
+        return self._copies is not None
+
+    @property
+    def last_sync(self) -> WireCount | None:
+        """What the last send put on the wire (delta transports only)."""
+        return None if self._copies is None else self._copies.last
+
     def connect(self, rpc: Rpc, world_size: int) -> None:
+        self._rpc = rpc
+
         def join(port: int, secret: str) -> Future:
             kwargs = {
                 "host": self.host,
@@ -226,8 +256,26 @@ class GlooTransport(Transport):
         if self._group is None:
             raise RuntimeError("GlooTransport.send before connect")
         signer = _signer(self.tagged)
-        received = self._pool.submit(rpc, "weightsync_receive_gloo", _proof(signer))
-        gloo.send(self._group, buckets, received, _send_timed, signer)
+        copies = self._copies
+        if copies is None:
+            received = self._pool.submit(rpc, "weightsync_receive_gloo", _proof(signer))
+            gloo.send(self._group, buckets, received, _send_timed, signer)
+            return
+
+        def send_one(group: Any, bucket: fmt.Pairs, signer: Signer | None) -> None:
+            with timing.span("serialize"):
+                gloo.send_bucket(group, bucket, signer, copies)
+
+        # Deltas only if every worker still holds the copies the last successful sync left.
+        reported = [o.value for o in rpc("weightsync_delta_state", {})]
+        kwargs = _proof(signer) | {"delta": copies.begin(reported)}
+        received = self._pool.submit(rpc, "weightsync_receive_gloo", kwargs)
+        try:
+            gloo.send(self._group, buckets, received, send_one, signer)
+        except BaseException:
+            copies.reset()
+            raise
+        copies.commit()
 
     def put_adapter(
         self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
@@ -243,6 +291,12 @@ class GlooTransport(Transport):
         return next(o.value for o in received.result() if o.value is not None)
 
     def close(self) -> None:
+        if self._copies is not None and self._rpc is not None and self._group is not None:
+            try:
+                self._rpc("weightsync_delta_drop", {})  # the workers' copy of the weights
+            except Exception:  # closing must not fail on a stopped engine
+                logger.warning("weightsync: weightsync_delta_drop failed", exc_info=True)
+            self._copies.reset()
         self._group = None
         self._store = None
         self._pool.shutdown(wait=False)

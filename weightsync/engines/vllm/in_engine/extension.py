@@ -33,6 +33,7 @@ from typing import Any
 
 from ....wire import format as fmt
 from ....wire import gloo, scratch
+from ....wire.delta import LoadedCopies
 from ....wire.files import MappedFiles, check_files
 from ....wire.protocol import EngineFacts, Outcome
 from . import backend, ledger, model_ops
@@ -56,6 +57,7 @@ class WeightsyncWorker:
     _weightsync_group: Any = None
     _weightsync_store: Any = None
     _weightsync_adapter_root: Path | None = None
+    _weightsync_copies: LoadedCopies | None = None
 
     def _weightsync_outcome(self, error: BaseException | None = None, value: Any = None) -> dict:
         if error is not None:
@@ -153,17 +155,43 @@ class WeightsyncWorker:
             return self._weightsync_outcome(e)
         return self._weightsync_outcome()
 
-    def weightsync_receive_gloo(self, key: str = "") -> dict:
+    def weightsync_receive_gloo(self, key: str = "", delta: str = "") -> dict:
         """Load what the trainer broadcasts over the gloo group until its END frame, each
         bucket checked against its tag first when the trainer tags the stream (``key``). On a
-        failure here the stream is drained first, so the trainer's broadcasts complete."""
+        failure here the stream is drained first, so the trainer's broadcasts complete.
+
+        ``delta``: the trainer sends deltas (``wire.delta``) and this is the id the sync
+        leaves: every bucket is kept, DELTA frames patch the kept copies, and the copies carry
+        ``delta`` once the whole sync loaded; any failure drops them all (the next sync is
+        full)."""
         if self._weightsync_group is None:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
-        receiver = gloo.Receiver(self._weightsync_group, key)
+        copies = None
+        if delta:
+            copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
+            copies.begin()
+        receiver = gloo.Receiver(self._weightsync_group, key, copies)
         outcome = model_ops.reload(self, iter(receiver))
+        if copies is not None:
+            if outcome.ok:
+                copies.commit(delta, receiver.buckets)
+            else:
+                copies.clear()
         if not outcome.ok:
             receiver.drain()
         return outcome.to_json()
+
+    def weightsync_delta_state(self) -> dict:
+        """The id of the sync this worker's kept copies come from (``wire.delta``); None when
+        it keeps none (never sent deltas, restarted, or its last sync failed)."""
+        copies = self._weightsync_copies
+        return self._weightsync_outcome(value=None if copies is None else copies.synced)
+
+    def weightsync_delta_drop(self) -> dict:
+        """Drop the kept copies (the trainer's delta transport closed): frees one copy of the
+        weights in this worker."""
+        self._weightsync_copies = None
+        return self._weightsync_outcome()
 
     def weightsync_receive_adapter(self, version: int, config: str, key: str = "") -> dict:
         """Receive an adapter version over the gloo group and write it where this server's
