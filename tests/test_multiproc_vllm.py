@@ -77,3 +77,48 @@ def test_a_framework_sleep_already_over_is_seen(llm, engines):
     T.perturb(model, seed=32, scale=0.3)
     assert syncer.sync(model).strategy == "FullSync(lora=separate)"
     T.assert_matches(model, engine, atol=ATOL)
+
+
+def test_the_weights_version_is_the_engines_own(llm, engines):
+    """Issue 16 part 3: the version comes from the workers, not from a trainer-side count. A
+    sync moves it and its report carries it (taken from the write's own attestation: one LoRA
+    listing per write, none more for the report); reading it again or generating leaves it;
+    an adapter swap moves it without moving the epoch; a sleep and a reload made on the LLM by
+    someone else move it."""
+    engine = engines["tmpfs"]
+    model = lora_model("qwen2", 41)
+    syncer = Syncer(engine, train_type="lora")
+    before = engine.weights_version
+    assert before is not None
+    base = syncer.sync(model)
+    assert base.strategy == "FullSync(lora=separate)"
+    assert base.weights_version == engine.weights_version != before
+    T.assert_matches(model, engine, atol=ATOL)  # generating does not move it
+    assert engine.weights_version == base.weights_version
+
+    calls: list[str] = []
+    rpc = engine.control.rpc
+    engine.control.rpc = lambda method, kwargs=None: calls.append(method) or rpc(method, kwargs)  # type: ignore[method-assign]
+    try:
+        T.perturb(model, seed=42, scale=0.3)
+        adapter = syncer.sync(model)
+    finally:
+        del engine.control.rpc
+    assert adapter.strategy == "AdapterSync" and calls.count("list_loras") == 1, calls
+    assert adapter.weights_version == engine.weights_version != base.weights_version
+    assert adapter.weights_version.split("+")[0] == base.weights_version.split("+")[0]
+    T.assert_matches(model, engine, atol=ATOL)
+
+    llm.sleep(level=1)  # the framework, behind weightsync's back
+    llm.wake_up()
+    slept = engine.weights_version
+    assert slept != adapter.weights_version
+    llm.collective_rpc("reload_weights")  # vLLM re-reads its checkpoint (and drops adapters)
+    reloaded = engine.weights_version
+    assert reloaded not in (slept, adapter.weights_version) and "+lora" not in reloaded
+    assert engine.weights_version == reloaded
+    T.perturb(model, seed=43, scale=0.3)
+    restored = syncer.sync(model)
+    assert restored.strategy == "FullSync(lora=separate)"
+    assert restored.weights_version == engine.weights_version != reloaded
+    T.assert_matches(model, engine, atol=ATOL)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -13,6 +13,27 @@ from .engines.base import Engine, adapt
 from .plan import Plan
 from .strategies import Strategy, SyncReport
 from .verify import check_engine
+
+
+@runtime_checkable
+class AttestsWrites(Protocol):
+    """An engine that records, at the end of each completed write, the version its workers
+    attested then (`weightsync.engines.vllm.remote.RemoteVLLMEngine.written_version`)."""
+
+    written_version: str | None
+
+
+def synced_version(engine: Engine, report: SyncReport) -> str | None:
+    """The version a completed sync left in ``engine``, as the engine attested it.
+
+    Taken from the attestation the sync's last write already made, when the engine keeps one
+    (`AttestsWrites`) and the sync wrote (``report.engine_calls``): asking the engine again
+    would cost every sync another round of calls (an attestation, and a LoRA listing). A sync
+    that wrote nothing (every layer skipped), or an engine that keeps no such record, is asked
+    now (`Engine.weights_version`)."""
+    if isinstance(engine, AttestsWrites) and report.engine_calls:
+        return engine.written_version
+    return engine.weights_version
 
 
 class Syncer:
@@ -90,15 +111,16 @@ class Syncer:
     def sync(self, model: nn.Module, *, sleep_level: int | None = None) -> SyncReport:
         """Choose, sync ``model`` into the engine, and update ``base_sync_done``.
 
-        The report's ``weights_version`` is the version the engine reports right after the
-        sync (`Engine.weights_version`), for tagging the rollouts generated next.
+        The report's ``weights_version`` is the version the engine attested at the end of the
+        sync (`synced_version`), for tagging the rollouts generated next; it equals
+        `Engine.weights_version` until anyone changes the engine again.
 
         Raises whatever the strategy or the verification raises; nothing is swallowed.
         """
         strategy = self.choose(sleep_level)
         self.base_sync_done = False
         report = strategy.sync(model, self.engine)
-        report = dataclasses.replace(report, weights_version=self.engine.weights_version)
+        report = dataclasses.replace(report, weights_version=synced_version(self.engine, report))
         if self.verify:
             diff = check_engine(model, self.engine, strategy=strategy.label, step=self.step)
             report = dataclasses.replace(report, verified_logprob_diff=diff)

@@ -28,16 +28,14 @@ The design, and why:
   next token: a kept request's tokens after the sync are exactly what the new weights generate
   after its prefix (a plain reset would fail silently while any request holds KV blocks and
   leave the old weights' prefix cache in place).
-- **A version the engine reports** (`AsyncLLMEngine.weights_version`): derived from the
-  workers' ledger epoch (``in_engine/ledger.py``, `attestation`), which every sleep, wake,
-  reload and weight write by anyone advances, plus the id of the served adapter as the engine
-  lists it (adapter loads do not move the epoch). Nothing is counted on the trainer side, so a
-  sleep or a write someone else made changes it too. After every write, before resuming, the
-  version is also given to vLLM as its ``weight_version`` label (``update_weight_version``),
-  so each finished ``RequestOutput`` says which tokens which weights produced
-  (``outputs[0].weight_versions``, spans over token indexes): a request kept across a sync has
-  two spans. The label is set only by weightsync's writes; the version is the truth when
-  someone else changed the engine since.
+- **A version the engine reports** (`weights_version`, from `RemoteVLLMEngine`, as every engine
+  with weightsync's worker extension reports it: the workers' ledger epoch and the adapter ids
+  they hold, nothing counted on the trainer's side). After every write, before resuming, the
+  version the write left (`RemoteVLLMEngine.written_version`) is also given to vLLM as its
+  ``weight_version`` label (``update_weight_version``), so each finished ``RequestOutput`` says
+  which tokens which weights produced (``outputs[0].weight_versions``, spans over token
+  indexes): a request kept across a sync has two spans. The label is set only by weightsync's
+  writes; ``weights_version`` is the truth when someone else changed the engine since.
 """
 
 from __future__ import annotations
@@ -61,15 +59,6 @@ from .remote import RemoteVLLMEngine
 from .transports import Transport
 
 T = TypeVar("T")
-
-
-def version_label(epoch: Any, adapter_id: int | None) -> str | None:
-    """A compact string of an attested vLLM epoch (one ``(boot, epoch)`` per worker rank) and
-    the served adapter's id: ``"<boot[:12]>:<epoch>[,...][+lora<id>]"``; None without an epoch."""
-    if epoch is None:
-        return None
-    label = ",".join(f"{boot[:12]}:{n}" for boot, n in epoch)
-    return label if adapter_id is None else f"{label}+lora{adapter_id}"
 
 
 class AsyncLLMControl(Control):
@@ -178,13 +167,6 @@ class AsyncLLMControl(Control):
     def label(self, version: str) -> None:
         """Give vLLM ``version`` as its weight-version label for the tokens generated next."""
         self._run(lambda: self.async_llm.update_weight_version(version))
-
-    def loaded_id(self, name: str) -> int | None:
-        """The id of the adapter loaded under ``name``, if the engine lists it as loaded."""
-        request = self._loras.get(name)
-        if request is None or request.lora_int_id not in self._run(self.async_llm.list_loras):
-            return None
-        return int(request.lora_int_id)
 
     def lora_request(self, name: str | None) -> Any:
         """The ``LoRARequest`` of the adapter loaded under ``name`` (None: none)."""
@@ -304,29 +286,12 @@ class AsyncLLMEngine(RemoteVLLMEngine):
         return await asyncio.to_thread(lambda: cls(async_llm, loop=loop, **kwargs))
 
     @property
-    def weights_version(self) -> str | None:
-        """The version of the weights the engine serves now, as the engine reports it: its
-        workers' ledger epoch (moved by every sleep, wake, reload and weight write, by anyone)
-        and the id of the served adapter as the engine lists it. Equal versions: the same
-        weights. `weightsync.SyncReport.weights_version` is this right after a sync."""
-        return version_label(
-            self.attest().epoch,
-            self.control.loaded_id(self.served_adapter) if self.served_adapter else None,
-        )
-
-    @property
     def lora_request(self) -> Any:
         """The ``LoRARequest`` to generate with the synced adapter (None: no adapter served)."""
         return self.control.lora_request(self.served_adapter)
 
-    def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
-        """`RemoteVLLMEngine`'s paused write, labelling vLLM's weight version before the
-        engine resumes, so the tokens generated after it carry the new version."""
-
-        def write_and_label() -> None:
-            write()
-            version = self.weights_version
-            if version is not None:
-                self.control.label(version)
-
-        super()._paused_write(what, write_and_label, base=base)
+    def _written(self, version: str | None) -> None:
+        """Label vLLM's weight version before the engine resumes, so the tokens generated
+        after the write carry the version it left."""
+        if version is not None:
+            self.control.label(version)

@@ -17,16 +17,25 @@ no longer answers at all (a dead Ray actor or engine core) raises `EngineUnavail
 
 The engine's facts (`EngineFacts`) come from the worker extension, read from the model vLLM
 built, not from the caller; a server without the extension is a *stock* server (``stock.py``).
+
+Which weights produced a rollout: `RemoteVLLMEngine.weights_version`, a version the engine
+attests, never one counted on the trainer's side -- the workers' ledger epoch (moved by every
+sleep, wake, reload and weight write, by anyone) and the adapter ids the workers hold (adapter
+loads do not move the epoch). Each completed write also records the version attested at its end,
+while the engine is still paused (`RemoteVLLMEngine.written_version`): that is the version of
+what the write put there, read once, and what `weightsync.Syncer` reports, so a sync costs no
+second round of calls for its version. A stock server keeps no ledger: its version is None.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +51,30 @@ from ..base import Attestation, Engine, register
 from . import stock
 from .control import WORKER_EXTENSION, Control, LLMControl, attestation, since_arg
 from .transports import TmpfsTransport, Transport, make_transport
+
+
+def version_label(epoch: Hashable | None, adapter_ids: Iterable[int] = ()) -> str | None:
+    """A compact string of an attested vLLM epoch (one ``(boot, epoch)`` per worker rank) and
+    the adapter ids the workers hold: ``"<boot[:12]>:<epoch>[,...][+lora<id>[.<id>...]]"``;
+    None without an epoch (an engine that cannot attest one)."""
+    if epoch is None:
+        return None
+    label = ",".join(f"{boot[:12]}:{n}" for boot, n in cast("tuple", epoch))
+    ids = sorted(set(adapter_ids))
+    return f"{label}+lora{'.'.join(map(str, ids))}" if ids else label
+
+
+def adapter_ids(answers: list[Any]) -> set[int]:
+    """The adapter ids in the workers' answers to vLLM's ``list_loras`` (one per rank): a set
+    in process, a list after msgpack, and a string (``"{3}"``, ``"set()"``) through a server's
+    ``/collective_rpc``, which stringifies any answer that is not a dict or a list."""
+    ids: set[int] = set()
+    for answer in answers:
+        if isinstance(answer, str):
+            ids.update(int(n) for n in re.findall(r"\d+", answer))
+        else:
+            ids.update(int(n) for n in answer)
+    return ids
 
 
 class RemoteVLLMEngine(Engine):
@@ -92,6 +125,9 @@ class RemoteVLLMEngine(Engine):
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._version = 0
+        #: The version attested at the end of the last completed write (see the module
+        #: docstring); None before one, after a failed one, and on a stock server.
+        self.written_version: str | None = None
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
@@ -142,12 +178,37 @@ class RemoteVLLMEngine(Engine):
 
     # --- writing ------------------------------------------------------------------------------
 
+    @property
+    def weights_version(self) -> str | None:
+        """The version of the weights the engine serves now, as its workers attest it (see the
+        module docstring): equal versions, the same weights. Asked anew at every read (one
+        call, two when the engine serves LoRA); None on a stock server."""
+        return self._version_now()
+
+    def _version_now(self) -> str | None:
+        """The workers' epoch and, if LoRA is enabled, the adapter ids they hold (vLLM's own
+        ``list_loras`` on every worker: the engine's listing, not this adapter's record)."""
+        if self.stock:
+            return None
+        epoch = self.attest().epoch
+        ids = adapter_ids(self.control.rpc("list_loras")) if self.serves_lora else set()
+        return version_label(epoch, ids)
+
+    def _written(self, version: str | None) -> None:
+        """Called at the end of every completed write, while the engine is still paused, with
+        the version it attested then. An engine that labels its outputs with the version of
+        the weights that produced them (`AsyncLLMEngine`) does it here, before resuming."""
+
     def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
-        """Pause, ``write()``, reset the prefix cache, resume; see the module docstring for
-        what happens when ``write`` fails (``base``: it writes base weights)."""
+        """Pause, ``write()``, record the version it left (`written_version`), reset the prefix
+        cache, resume; see the module docstring for what happens when ``write`` fails
+        (``base``: it writes base weights)."""
+        self.written_version = None
         self.control.pause()
         try:
             write()
+            self.written_version = self._version_now()
+            self._written(self.written_version)
         except BaseException as error:
             if self.stock and base:
                 self.mark_lost()
