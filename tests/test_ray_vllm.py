@@ -244,3 +244,27 @@ def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_repaired(engines, a
     assert report.strategy == "FullSync"
     discard(survivor)  # and it keeps working as any engine
     sync_and_check(FullSync(), model, survivor)
+
+
+def test_the_weights_version_is_the_actors_own(engines):
+    """Issue 16 part 3, on the actor that survived the test above: the version comes from the
+    actor's worker. A sync moves it and its report carries it; reading it again or generating
+    leaves it; an adapter swap, a sleep and a reload the framework makes inside the actor each
+    move it."""
+    a = engines[0]
+    syncer = Syncer(a, train_type="lora")
+    model = lora_model(ARCH, seed=61)
+    before = a.weights_version
+    assert before is not None
+    base = sync_and_check(syncer, model, a)  # generates after the sync
+    assert base.weights_version == a.weights_version != before
+    T.perturb(model, seed=62, scale=0.3)
+    adapter = sync_and_check(syncer, model, a)
+    assert adapter.strategy == "AdapterSync"
+    assert adapter.weights_version == a.weights_version != base.weights_version
+    a.control.call("sleep", 1)  # the framework sleeps its LLM itself, inside the actor
+    a.control.call("wake_up", None)
+    slept = a.weights_version
+    assert slept != adapter.weights_version
+    a.control.rpc("reload_weights")  # and has vLLM re-read its checkpoint
+    assert a.weights_version not in (slept, adapter.weights_version)
