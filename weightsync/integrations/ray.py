@@ -45,6 +45,13 @@ failure while producing buckets never reaches the engine. Measured at 0.5B again
 transport (``docs/ray.md``). Adapters travel the same way and are written to a folder on the
 actor's node (its LoRA loader reads from a folder), the two newest versions kept.
 
+Deltas (``RayObjectStoreTransport(delta=True)``, ``wire.delta``): a bucket whose base the actor
+holds is put as the changed words only; the actor patches its kept copy, checks the whole
+bucket's tag on the result before loading anything, and loads the whole patched bucket. The
+actor keeps its own writable copy of every bucket (the store's buffers are read-only and
+released after the call): one copy of the weights in the actor and one in the trainer between
+syncs, and a full sync copies each bucket once more in the actor.
+
 Deadlines: every actor call waits at most ``timeout_s``. An actor that died (killed, its node
 lost) or did not answer in time raises `EngineUnavailableError`, never a Ray error; an error the
 actor's code raised is raised as itself.
@@ -57,6 +64,7 @@ cluster can call the actor. The tags make sure the bytes loaded are those the ca
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -64,6 +72,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import timing
@@ -72,12 +81,15 @@ from ..engines.vllm.control import WORKER_EXTENSION, Control, LLMControl
 from ..engines.vllm.in_engine import model_ops
 from ..engines.vllm.remote import RemoteVLLMEngine
 from ..engines.vllm.transports import Rpc, Transport
-from ..errors import EngineUnavailableError
+from ..errors import BytesRejectedError, EngineUnavailableError
 from ..plan import Bucket
 from ..wire import format as fmt
 from ..wire import scratch
+from ..wire.delta import Delta, LoadedCopies, SentCopies, WireCount
 from ..wire.protocol import Outcome
 from ..wire.tags import Signer, check
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "RayControl",
@@ -95,6 +107,9 @@ TIMEOUT_S = 600.0
 LOAD_OBJECTS = "weightsync_load_objects"
 RECEIVE_ADAPTER = "weightsync_receive_object_adapter"
 DROP_ADAPTERS = "weightsync_drop_adapters"
+#: The actor's kept copies for deltas: the id of the sync they come from; drop them.
+DELTA_STATE = "weightsync_delta_state"
+DELTA_DROP = "weightsync_delta_drop"
 
 #: What ``weightsync_call`` forwards to the actor's `LLMControl` (the `Control` interface).
 _CONTROL_CALLS = frozenset(
@@ -155,6 +170,7 @@ class WeightsyncActor:
 
     _weightsync_control: LLMControl | None = None
     _weightsync_adapters: Path | None = None
+    _weightsync_copies: LoadedCopies | None = None
 
     def weightsync_attach(self, llm: Any) -> None:
         """Serve ``llm`` (created with weightsync's worker extension, engine core in process).
@@ -191,33 +207,83 @@ class WeightsyncActor:
                     shutil.rmtree(self._weightsync_adapters, ignore_errors=True)
                     self._weightsync_adapters = None
                 return [Outcome().to_json()]
+            if method == DELTA_STATE:
+                copies = self._weightsync_copies
+                return [Outcome(value=None if copies is None else copies.synced).to_json()]
+            if method == DELTA_DROP:
+                self._weightsync_copies = None
+                return [Outcome().to_json()]
         return getattr(control, call)(*args)
 
-    def _weightsync_payloads(self, refs: list[Any], key: str, tags: list[str]) -> list[Any]:
-        """Every payload of ``refs``, each checked against its tag (before any is loaded)."""
+    def _weightsync_payloads(
+        self,
+        refs: list[Any],
+        key: str,
+        tags: list[str],
+        deltas: list[bool] | None = None,
+        copies: LoadedCopies | None = None,
+    ) -> list[Any]:
+        """Every bucket of ``refs``, each checked against its tag (before any is loaded). With
+        ``copies``, each whole bucket is kept (a writable copy of its own) and each of
+        ``deltas`` patches the kept copy at its index, the result checked against the whole
+        bucket's tag."""
         import ray
 
         payloads = ray.get(list(refs))
-        if key:
-            if len(tags) != len(payloads):
-                raise ValueError(f"{len(payloads)} buckets came with {len(tags)} tags")
-            for i, (payload, tag) in enumerate(zip(payloads, tags, strict=True)):
-                check(key, tag, f"bucket {i} from the object store", payload)
-        return payloads
+        deltas = deltas or [False] * len(payloads)
+        if copies is not None and not key:
+            raise BytesRejectedError("deltas need the trainer's tags: nothing was loaded")
+        if key and len(tags) != len(payloads):
+            raise ValueError(f"{len(payloads)} buckets came with {len(tags)} tags")
+        out = []
+        for i, (payload, is_delta) in enumerate(zip(payloads, deltas, strict=True)):
+            what = f"bucket {i} from the object store"
+            if is_delta:
+                if copies is None:
+                    raise BytesRejectedError(f"{what}: a delta, but no copies are kept here")
+                payload = copies.patch(i, Delta.from_bytes(payload))
+                check(key, tags[i], f"{what} (a delta)", payload)
+                copies.loaded(i, tags[i])
+            else:
+                if key:
+                    check(key, tags[i], what, payload)
+                if copies is not None:
+                    payload = np.array(payload, copy=True)  # the store's buffer is read-only
+                    copies.keep(i, payload, tags[i])
+            out.append(payload)
+        return out
 
     def _weightsync_load(
-        self, refs: list[Any], key: str = "", tags: list[str] | None = None
+        self,
+        refs: list[Any],
+        key: str = "",
+        tags: list[str] | None = None,
+        deltas: list[bool] | None = None,
+        delta: str = "",
     ) -> Outcome:
-        """Load the buckets the trainer put in the object store (`RayObjectStoreTransport`)."""
+        """Load the buckets the trainer put in the object store (`RayObjectStoreTransport`);
+        ``delta``: the id the sync leaves in the kept copies (``wire.delta``), which any failure
+        drops."""
         assert self._weightsync_control is not None
+        copies = None
+        if delta:
+            copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
+            copies.begin()
         try:
-            payloads = self._weightsync_payloads(refs, key, tags or [])
+            payloads = self._weightsync_payloads(refs, key, tags or [], deltas, copies)
         except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
+            if copies is not None:
+                copies.clear()
             return Outcome.failed(e)
         llm = self._weightsync_control.llm
         outcome: Outcome = llm.collective_rpc(
             model_ops.reload, kwargs={"weights": _views(payloads)}
         )[0]
+        if copies is not None:
+            if outcome.ok:
+                copies.commit(delta, len(payloads))
+            else:
+                copies.clear()
         return outcome
 
     def _weightsync_adapter(
@@ -335,12 +401,32 @@ class RayObjectStoreTransport(Transport):
 
     Args:
         tagged: tag every bucket (``wire.tags``); the actor checks them all before loading any.
+        delta: put only the changed words of a bucket whose base the actor holds (see the
+            module docstring and ``wire.delta``); needs ``tagged``.
+
+    Raises:
+        ValueError: ``delta`` without ``tagged``.
     """
 
     name = "ray"
 
-    def __init__(self, *, tagged: bool = True) -> None:
+    def __init__(self, *, tagged: bool = True, delta: bool = False) -> None:
+        if delta and not tagged:
+            raise ValueError(
+                "RayObjectStoreTransport(delta=True) needs tagged=True: a patched bucket is "
+                "proven byte-identical to the whole one by the whole bucket's tag"
+            )
         self.tagged = tagged
+        self._copies = SentCopies() if delta else None
+        self._rpc: Rpc | None = None
+
+    @property
+    def last_sync(self) -> WireCount | None:
+        """What the last send put in the store (delta transports only)."""
+        return None if self._copies is None else self._copies.last
+
+    def connect(self, rpc: Rpc, world_size: int) -> None:
+        self._rpc = rpc
 
     def _put(self, pairs: fmt.Pairs, signer: Signer | None) -> tuple[Any, str]:
         import ray
@@ -352,6 +438,10 @@ class RayObjectStoreTransport(Transport):
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
         signer = Signer() if self.tagged else None
+        copies = self._copies
+        if copies is not None:
+            self._send_deltas(rpc, buckets, copies)
+            return
         refs, tags = [], []
         for bucket in buckets:  # a failure here: nothing reached the engine
             ref, tag = self._put(bucket, signer)
@@ -359,6 +449,30 @@ class RayObjectStoreTransport(Transport):
             tags.append(tag)
         proof = {"key": signer.key_hex, "tags": tags} if signer is not None else {}
         rpc(LOAD_OBJECTS, {"refs": refs, **proof})
+
+    def _send_deltas(self, rpc: Rpc, buckets: Iterable[Bucket], copies: SentCopies) -> None:
+        """Each bucket whole or, when the actor still holds the copies the last successful sync
+        left (it reports their id), as a delta against its copy."""
+        import ray
+
+        signer = Signer()
+        reported = [o.value for o in rpc(DELTA_STATE, {})]
+        sync_id = copies.begin(reported)
+        refs, tags, deltas = [], [], []
+        try:
+            for bucket in buckets:  # a failure here: nothing reached the engine
+                with timing.span("serialize"):
+                    payload = fmt.pack(bucket).numpy()
+                    tags.append(signer.sign(payload))
+                    delta = copies.next(payload, tags[-1])
+                    refs.append(ray.put(payload if delta is None else delta.to_bytes()))
+                    deltas.append(delta is not None)
+            kwargs = {"refs": refs, "key": signer.key_hex, "tags": tags, "deltas": deltas}
+            rpc(LOAD_OBJECTS, kwargs | {"delta": sync_id})
+        except BaseException:
+            copies.reset()
+            raise
+        copies.commit()
 
     def put_adapter(
         self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
@@ -375,6 +489,14 @@ class RayObjectStoreTransport(Transport):
         if signer is not None:
             kwargs |= {"key": signer.key_hex, "tag": tag}
         return str(rpc(RECEIVE_ADAPTER, kwargs)[0].value)
+
+    def close(self) -> None:
+        if self._copies is not None and self._rpc is not None:
+            try:
+                self._rpc(DELTA_DROP, {})  # the actor's copy of the weights
+            except Exception:  # closing must not fail on a dead actor
+                logger.warning("weightsync: dropping the actor's kept copies failed", exc_info=True)
+            self._copies.reset()
 
 
 @register

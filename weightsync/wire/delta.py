@@ -50,6 +50,7 @@ Like everything in ``wire``, this imports nothing heavy: it runs inside vLLM's w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from collections.abc import Iterable
@@ -57,8 +58,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import BytesRejectedError
+from . import format as fmt
 
 #: The longest gap one entry can span (uint16); longer ones are bridged (module docstring).
 MAX_GAP = 0xFFFF
@@ -319,3 +322,15 @@ class LoadedCopies:
         """The bytes kept at ``index`` (None: none); for checks, read only."""
         kept = self._copies.get(index)
         return None if kept is None else kept.payload
+
+    def digests(self) -> dict[str, str]:
+        """Name -> SHA-256 of every tensor's bytes in the kept copies (aliases included): what
+        a trainer compares against its own weights to see the copies are exactly what a full
+        sync sends, whatever the bucketing."""
+        out = {}
+        for index in sorted(self._copies):
+            for name, tensor in fmt.views(self._copies[index].payload):
+                out[name] = hashlib.sha256(
+                    tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                ).hexdigest()
+        return out

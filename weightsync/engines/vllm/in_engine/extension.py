@@ -187,6 +187,12 @@ class WeightsyncWorker:
         copies = self._weightsync_copies
         return self._weightsync_outcome(value=None if copies is None else copies.synced)
 
+    def weightsync_delta_digests(self) -> dict:
+        """Name -> SHA-256 of every tensor in the kept copies (``LoadedCopies.digests``), so a
+        trainer can check them against what a full sync sends."""
+        copies = self._weightsync_copies
+        return self._weightsync_outcome(value={} if copies is None else copies.digests())
+
     def weightsync_delta_drop(self) -> dict:
         """Drop the kept copies (the trainer's delta transport closed): frees one copy of the
         weights in this worker."""
