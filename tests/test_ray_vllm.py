@@ -22,6 +22,7 @@ from weightsync import testing as T
 from weightsync.engines import Replicas, adapt
 from weightsync.errors import BytesRejectedError, EngineUnavailableError, WeightSyncError
 from weightsync.strategies import FullSync
+from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
 from weightsync.wire import scratch
 
@@ -31,7 +32,12 @@ from weightsync.wire import scratch
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 
-from weightsync.integrations.ray import LOAD_OBJECTS, RayVLLMEngine, WeightsyncActor
+from weightsync.integrations.ray import (
+    LOAD_OBJECTS,
+    RayObjectStoreTransport,
+    RayVLLMEngine,
+    WeightsyncActor,
+)
 
 ARCH = "qwen2"  # tied embeddings: the head must follow every sync
 SHM = Path("/dev/shm")
@@ -196,6 +202,70 @@ def test_lora_served(engines):
     ]
     for e in engines:  # written by the actor on its node, not by this process
         assert e.adapter_path and f"weightsync-{os.getpid()}-" not in e.adapter_path
+
+
+# --- only the changed bytes (wire.delta) ------------------------------------------------------
+
+
+def sparse_step(model, seed: int) -> None:
+    """A step that changes 1% of every weight's elements (the float32 engine here would see
+    every element of a real AdamW step change; test_delta_vllm.py runs that on bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            where = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 100)]
+            flat[where] += 0.5 * torch.randn(len(where), generator=gen)
+
+
+def test_deltas_through_the_object_store(actors, monkeypatch):
+    """``RayObjectStoreTransport(delta=True)``: after a sparse step only the changed words are
+    put and the actor serves the trainer exactly; another client's sync in between (its own
+    id) makes the next one whole; a forged delta is refused before anything is loaded (the
+    actor checks every bucket first), and the next sync repairs."""
+    sync = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
+    ours, theirs = (
+        RayVLLMEngine(actors[0], timeout_s=300, transport=RayObjectStoreTransport(delta=True))
+        for _ in range(2)
+    )
+    try:
+        model = full_model(ARCH, seed=61)
+        sync_and_check(sync, model, ours)
+        first = ours.transport.last_sync
+        assert first.delta_buckets == 0 and first.full_buckets > 2
+        sparse_step(model, seed=1)
+        sync_and_check(sync, model, ours)
+        count = ours.transport.last_sync
+        assert count.full_buckets == 0 and count.delta_buckets == first.full_buckets
+        assert count.wire_bytes <= 0.10 * count.bucket_bytes, count
+        sync_and_check(sync, full_model(ARCH, seed=62), theirs)  # another client's delta sync
+        sparse_step(model, seed=2)
+        sync_and_check(sync, model, ours)
+        assert ours.transport.last_sync.delta_buckets == 0  # the actor reported another id
+        sparse_step(model, seed=3)
+        sync_and_check(sync, model, ours)
+        assert ours.transport.last_sync.full_buckets == 0
+
+        honest = delta_mod.diff
+
+        def forged(base, new, base_tag):
+            made = honest(base, new, base_tag)
+            values = made.values.copy()
+            values[-1:] ^= 1
+            return delta_mod.Delta(made.base, made.size, made.word, made.gaps, values)
+
+        sparse_step(model, seed=4)
+        serving = ours.greedy_batch(T.PROMPTS, 8)
+        monkeypatch.setattr(delta_mod, "diff", forged)
+        with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
+            sync.sync(model, ours)
+        monkeypatch.undo()
+        assert ours.greedy_batch(T.PROMPTS, 8) == serving  # nothing of it was loaded
+        sync_and_check(sync, model, ours)
+        assert ours.transport.last_sync.delta_buckets == 0
+    finally:
+        ours.close()
+        theirs.close()
 
 
 # --- failures: a deadline, a dead actor ----------------------------------------------------
