@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from torch import nn
 
@@ -15,23 +15,14 @@ from .strategies import Strategy, SyncReport
 from .verify import check_engine
 
 
-@runtime_checkable
-class AttestsWrites(Protocol):
-    """An engine that records, at the end of each completed write, the version its workers
-    attested then (`weightsync.engines.vllm.remote.RemoteVLLMEngine.written_version`)."""
-
-    written_version: str | None
-
-
 def synced_version(engine: Engine, report: SyncReport) -> str | None:
     """The version a completed sync left in ``engine``, as the engine attested it.
 
-    Taken from the attestation the sync's last write already made, when the engine keeps one
-    (`AttestsWrites`) and the sync wrote (``report.engine_calls``): asking the engine again
-    would cost every sync another round of calls (an attestation, and a LoRA listing). A sync
-    that wrote nothing (every layer skipped), or an engine that keeps no such record, is asked
-    now (`Engine.weights_version`)."""
-    if isinstance(engine, AttestsWrites) and report.engine_calls:
+    Taken from the attestation the sync's last write already made (`Engine.written_version`)
+    when the sync wrote (``report.engine_calls``): asking the engine again would cost every
+    sync another round of calls (an attestation, and a LoRA listing). A sync that wrote nothing
+    (every layer skipped) is asked now (`Engine.weights_version`)."""
+    if report.engine_calls:
         return engine.written_version
     return engine.weights_version
 

@@ -141,8 +141,16 @@ class Engine(ABC):
     def weights_version(self) -> str | None:
         """The version of the weights the engine serves now, as the engine itself reports it
         (equal versions: the same weights), for tagging rollouts; None for an engine that
-        reports none (the default). `AsyncLLMEngine` derives it from its attested epoch."""
+        reports none (the default). Engines with weightsync's worker extension derive it from
+        the epoch their workers attest (`weightsync.engines.vllm.remote.RemoteVLLMEngine`)."""
         return None
+
+    @property
+    def written_version(self) -> str | None:
+        """The version the last completed write left, as the engine attested it at the end of
+        that write (what `Syncer` reports: asking again after every sync would cost another
+        round of calls). This default asks now (`weights_version`)."""
+        return self.weights_version
 
     def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The first row of each named tensor in the checkpoint `reload_checkpoint`

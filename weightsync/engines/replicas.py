@@ -17,6 +17,11 @@ class _Abort(Exception):
     """Raised inside a replica's bucket stream when the fan-out stops part-way."""
 
 
+def _joined(versions: Iterable[str | None]) -> str | None:
+    each = list(versions)
+    return None if None in each else "|".join(str(v) for v in each)
+
+
 class Replicas(Engine):
     """Several engines serving the same model, synced by one call: a fan-out.
 
@@ -139,6 +144,16 @@ class Replicas(Engine):
         """Replica 0's prompt logprobs (verification then checks replica 0 thoroughly;
         `greedy_batch` checks that every replica agrees with it)."""
         return self.engines[0].score_batch(prompts, top_k)
+
+    @property
+    def weights_version(self) -> str | None:
+        """Every replica's version, in order (``|``-joined); None if any reports none."""
+        return _joined(e.weights_version for e in self.engines)
+
+    @property
+    def written_version(self) -> str | None:
+        """Every replica's `Engine.written_version`, joined like `weights_version`."""
+        return _joined(e.written_version for e in self.engines)
 
     # --- lifecycle: each replica attests and keeps its own record; this one combines them --
 

@@ -125,9 +125,7 @@ class RemoteVLLMEngine(Engine):
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._version = 0
-        #: The version attested at the end of the last completed write (see the module
-        #: docstring); None before one, after a failed one, and on a stock server.
-        self.written_version: str | None = None
+        self._written_version: str | None = None
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
@@ -185,6 +183,12 @@ class RemoteVLLMEngine(Engine):
         call, two when the engine serves LoRA); None on a stock server."""
         return self._version_now()
 
+    @property
+    def written_version(self) -> str | None:
+        """The version attested at the end of the last completed write, while the engine was
+        still paused; None before one, after a failed one, and on a stock server."""
+        return self._written_version
+
     def _version_now(self) -> str | None:
         """The workers' epoch and, if LoRA is enabled, the adapter ids they hold (vLLM's own
         ``list_loras`` on every worker: the engine's listing, not this adapter's record)."""
@@ -203,12 +207,12 @@ class RemoteVLLMEngine(Engine):
         """Pause, ``write()``, record the version it left (`written_version`), reset the prefix
         cache, resume; see the module docstring for what happens when ``write`` fails
         (``base``: it writes base weights)."""
-        self.written_version = None
+        self._written_version = None
         self.control.pause()
         try:
             write()
-            self.written_version = self._version_now()
-            self._written(self.written_version)
+            self._written_version = self._version_now()
+            self._written(self._written_version)
         except BaseException as error:
             if self.stock and base:
                 self.mark_lost()
