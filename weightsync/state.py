@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 from torch import nn
@@ -13,6 +14,8 @@ from .engines.base import Engine, adapt
 from .plan import Plan
 from .strategies import Strategy, SyncReport
 from .verify import check_engine
+
+logger = logging.getLogger(__name__)
 
 
 def synced_version(engine: Engine, report: SyncReport) -> str | None:
@@ -116,6 +119,14 @@ class Syncer:
             diff = check_engine(model, self.engine, strategy=strategy.label, step=self.step)
             report = dataclasses.replace(report, verified_logprob_diff=diff)
         self.base_sync_done = True
+        logger.info(
+            "weightsync step %d: %s (%s), %d bytes in %.3fs",
+            self.step,
+            report.strategy,
+            report.reason,
+            report.bytes,
+            report.seconds,
+        )
         self.step += 1
         return report
 

@@ -43,13 +43,10 @@ refused with the option named, before anything is replaced.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..engines.vllm.inprocess import VLLMEngine
 from ..state import Syncer
-
-logger = logging.getLogger(__name__)
 
 #: ``tuner_type`` values whose trained weights weightsync knows how to send: every weight, or a
 #: peft LoRA adapter on a frozen base. Others (longlora, adalora, reft, vera, boft, ...) train
@@ -96,17 +93,9 @@ def use_weightsync(trainer: Any, *, verify: bool = False) -> Syncer:
 
     def move_model_to_vllm(skip_async_check: bool = False) -> None:
         # swift's signature; skip_async_check only matters with async_generate (refused).
-        report = syncer.sync(trainer.accelerator.unwrap_model(trainer.model))
+        syncer.sync(trainer.accelerator.unwrap_model(trainer.model))
         trainer.base_sync_done = True
         trainer._reset_vllm_cache()
-        logger.info(
-            "weightsync step %d: %s (%s), %d bytes in %.3fs",
-            syncer.step,
-            report.strategy,
-            report.reason,
-            report.bytes,
-            report.seconds,
-        )
 
     trainer._move_model_to_vllm = move_model_to_vllm
     if served:

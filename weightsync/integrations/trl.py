@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import logging
 import os
 import typing
 from collections.abc import Iterator
@@ -67,8 +66,6 @@ from ..engines.vllm.inprocess import VLLMEngine
 from ..engines.vllm.server import VLLMServerEngine
 from ..engines.vllm.transports import Transport
 from ..state import Syncer
-
-logger = logging.getLogger(__name__)
 
 
 def use_weightsync(
@@ -182,21 +179,13 @@ def use_weightsync(
 
             empty_cache()
             engine.wake_up(tags=["weights"])
-        report = syncer.sync(vg.model)
+        syncer.sync(vg.model)
         if isinstance(engine, VLLMServerEngine):
             # TRL's requests name the model to generate with: the adapter just loaded, if served.
             vg.vllm_client.model = engine.served_adapter or base_model
         else:
             # generate() re-syncs while this is set: this sync restored what the sleep discarded.
             vg._llm_weights_sleeping = False
-        logger.info(
-            "weightsync step %d: %s (%s), %d bytes in %.3fs",
-            syncer.step,
-            report.strategy,
-            report.reason,
-            report.bytes,
-            report.seconds,
-        )
 
     vg.sync_weights = sync_weights
     vg.weightsync = syncer
