@@ -18,8 +18,13 @@ measures the same cases into quantized bfloat16 engines instead (an online metho
 compressed-tensors engine synced through weightsync's quantizer); there the stale cases leave one
 weight out of weightsync's own stream (the tied ``lm_head`` name, the last ``down_proj`` with its
 scale), since a pre-quantized engine cannot take the bf16 push, and the trainer's side is
-`weightsync.verify.reference_logprobs` (the trainer run as the engine computes). Figures for
-quantized engines go to docs/quantized.md.
+`weightsync.verify.reference_logprobs` (the trainer run as the engine computes).
+
+``--quantization torchao:Float8WeightOnlyConfig torchao:Int8DynamicActivationInt8WeightConfig``
+measures online torchao engines (the config at its defaults, given to vLLM as
+``hf_overrides={"quantization_config_dict_json": ...}``), whose reference runs torchao itself on
+the trainer side (`weightsync.trainer.quantize.TorchAO`). Figures for quantized engines go to
+docs/quantized.md.
 
 Printed per case: min-max over seeds of verification's mean and largest ``|d logprob|`` (see
 `weightsync.verify`), of the previous metric (largest difference over 8 greedy tokens), and
@@ -66,6 +71,21 @@ def _sync_without(engine, model, prefix: str) -> None:
     )
 
 
+def _online(quantization: str) -> dict:
+    """vLLM's options for an online method: ``fp8_per_channel``, or ``torchao:<config class>``
+    (the config at its defaults, passed as vLLM takes a torchao config without a checkpoint)."""
+    if not quantization.startswith("torchao:"):
+        return {"quantization": quantization}
+    import json
+
+    import torchao.quantization
+    from torchao.core.config import config_to_dict
+
+    config = getattr(torchao.quantization, quantization.removeprefix("torchao:"))()
+    overrides = {"quantization_config_dict_json": json.dumps(config_to_dict(config))}
+    return {"quantization": "torchao", "hf_overrides": overrides}
+
+
 def _greedy8(model, engine) -> float:
     from weightsync.verify import canary_prompt, max_abs_diff, trainer_logprobs
 
@@ -108,7 +128,7 @@ def measure(
         else:
             checkpoint = T.save_checkpoint(T.tiny_model("qwen2", dtype=edt), folder)
             if quantization:
-                options["quantization"] = quantization
+                options.update(_online(quantization))
         step_scale = 0.02
     else:
         if quantization:
@@ -214,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization",
         nargs="+",
         default=[None],
-        help="quantized bfloat16 engines: an online method (fp8_per_channel) or a scheme of "
-        "weightsync.trainer.quantize.SCHEMES",
+        help="quantized bfloat16 engines: an online method (fp8_per_channel, "
+        "torchao:<config class>) or a scheme of weightsync.trainer.quantize.SCHEMES",
     )
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -229,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         if edt == "float32" and tdt != "float32":
             continue  # a float32 engine fed from a half-precision trainer is not a use case
-        if q and q != "fp8_per_channel" and tdt != edt:
+        if q and not q.startswith(("fp8_per_channel", "torchao:")) and tdt != edt:
             continue  # a pre-quantized engine's oracle is the engine-dtype checkpoint quantized
         try:
             results.append(measure(edt, tdt, args.seeds, args.model, args.step, q))

@@ -72,6 +72,11 @@ class Scheme:
     format: str
 
     @property
+    def weight_only(self) -> bool:
+        """Activations stay in the engine's dtype (W4A16)."""
+        return self.activations is None
+
+    @property
     def packed(self) -> bool:
         """Values narrower than a byte, packed 32 bits at a time (``weight_packed``)."""
         return int(self.weight["num_bits"]) < 8
@@ -154,6 +159,11 @@ class Scheme:
             q = q.round()
         return (q.to(self.dtype).float() * scale).reshape(x.shape)
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x @ w.T`` as an engine of ``dtype`` computes it: the weight quantized and the input
+        quantized per token (W8A8), both dequantized, in float32."""
+        return torch.nn.functional.linear(self.tokens(x.float()), self.dequantized(w, dtype))
+
     def config(self, ignore: Iterable[str] = ("lm_head",)) -> dict[str, Any]:
         """The ``quantization_config`` of a checkpoint in this scheme (what `quantized_checkpoint`
         writes, and what `scheme_of` recognises)."""
@@ -227,6 +237,85 @@ SCHEMES: dict[str, Scheme] = {
 #: loaded bf16 weight exactly as the pre-quantized FP8 scheme does: measured, the same logprobs).
 ONLINE: dict[str, str] = {"fp8_per_channel": "FP8 per-channel"}
 
+#: torchao configs (vLLM's online ``quantization="torchao"``) whose arithmetic verification runs
+#: on the trainer side, by name -> whether it is weight-only. Only each config at its defaults
+#: (per-row scales, symmetric): what was measured (``benchmarks/verification.py``) and tested.
+TORCHAO: dict[str, bool] = {
+    "Float8WeightOnlyConfig": True,
+    "Int8DynamicActivationInt8WeightConfig": False,
+}
+
+
+@dataclass(frozen=True)
+class TorchAO:
+    """The arithmetic of an online torchao engine, run by torchao itself on the trainer side.
+
+    vLLM's torchao method (``model_executor/layers/quantization/torchao.py``) quantizes each
+    loaded linear weight with ``torchao.quantization.quantize_`` and computes
+    ``F.linear(x, weight)`` with the tensor subclass it gets: torchao's own kernels decide the
+    arithmetic (an int8 dynamic config quantizes ``x`` per token inside that call). Re-deriving it
+    here (its scales divide by 127.5, not compressed-tensors' 127, for one) would drift from
+    torchao's next release; calling the same code does not. Per-row scales make a fused module
+    (``qkv_proj``) quantize as its parts do, so the trainer's unfused layers compute the same.
+
+    Attributes:
+        name: as messages and tolerances name it (``"torchao Float8WeightOnlyConfig"``).
+        config: the config the engine runs, as ``torchao.core.config.config_to_dict`` writes it.
+        weight_only: activations stay in the engine's dtype.
+    """
+
+    name: str
+    config: Mapping[str, Any]
+    weight_only: bool
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x @ w.T`` as the engine computes it: ``w`` in the engine's dtype quantized by
+        torchao as vLLM quantizes it (``torchao_quantize_param_data``), ``x`` in that dtype."""
+        from torchao.core.config import config_from_dict  # type: ignore[import-untyped, unused-ignore]
+        from torchao.quantization import quantize_  # type: ignore[import-untyped, unused-ignore]
+
+        with torch.device("meta"):
+            holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
+        holder[0].weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+        quantize_(holder, config_from_dict(dict(self.config)))
+        return torch.nn.functional.linear(x.to(dtype), holder[0].weight)
+
+
+#: What `simulated` runs: a scheme weightsync quantizes to, or torchao's own code.
+Arithmetic = Scheme | TorchAO
+
+
+def torchao_of(q: Quantization) -> TorchAO | None:
+    """The torchao arithmetic of an online torchao engine whose config is one of `TORCHAO` at
+    its defaults; None otherwise (another config or other arguments, no config reported, or
+    torchao not installed in the trainer's environment)."""
+    reported = q.config.get("torchao") if q.method == "torchao" and not q.prequantized else None
+    if not isinstance(reported, Mapping) or reported.get("_type") not in TORCHAO:
+        return None
+    name = str(reported["_type"])
+    try:
+        import torchao.quantization  # type: ignore[import-untyped, unused-ignore]
+        from torchao.core.config import config_to_dict  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        return None
+    default = config_to_dict(getattr(torchao.quantization, name)())
+    if json.dumps(reported, sort_keys=True, default=str) != json.dumps(
+        default, sort_keys=True, default=str
+    ):
+        return None
+    return TorchAO(f"torchao {name}", reported, TORCHAO[name])
+
+
+def named(q: Quantization) -> str:
+    """``str(q)`` with the torchao config an online torchao engine reports, for messages (the
+    record's own name says only ``torchao (online ...)``)."""
+    reported = q.config.get("torchao") if q.method == "torchao" else None
+    if not isinstance(reported, Mapping):
+        return str(q)
+    arguments = json.dumps(reported.get("_data", {}), sort_keys=True, default=str)
+    return f"{q}, config {reported.get('_type')} {arguments}"
+
+
 #: The compressed-tensors arguments that change the bytes; others (observer, block_structure
 #: None, actorder None) do not, and are not compared.
 _COMPARED = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size")
@@ -264,29 +353,31 @@ def scheme_of(q: Quantization) -> Scheme:
     return found
 
 
-def arithmetic(q: Quantization) -> Scheme | None:
-    """The scheme whose arithmetic the engine runs (to simulate it on the trainer side), or None
-    when weightsync does not know it."""
+def arithmetic(q: Quantization) -> Arithmetic | None:
+    """The arithmetic the engine runs (to simulate it on the trainer side): a scheme of
+    `SCHEMES`, or `TorchAO`; None when weightsync does not know it."""
     if q.prequantized:
         try:
             return scheme_of(q)
         except WeightMismatchError:
             return None
+    if q.method == "torchao":
+        return torchao_of(q)
     return SCHEMES.get(ONLINE.get(q.method, ""))
 
 
 @contextlib.contextmanager
 def simulated(
-    model: torch.nn.Module, scheme: Scheme, weights: Mapping[str, Weight], dtype: torch.dtype
+    model: torch.nn.Module, scheme: Arithmetic, weights: Mapping[str, Weight], dtype: torch.dtype
 ) -> Iterator[None]:
     """Run ``model`` (the transformers model, with adapters disabled if it is a PEFT model) as a
     quantized engine computes: every linear layer named in ``weights`` (checkpoint module name
-    -> the `Weight` the engine received for it: a merged LoRA weight merged) multiplies its
-    input (quantized per token, for a scheme that quantizes activations) by its weight quantized
-    in ``scheme``, both dequantized, in float32. The model is not modified: forward hooks
-    replace the layers' outputs, and are removed on exit. What stays between this and the engine
-    is kernel rounding -- and, with 8-bit activations, the grid roundings that rounding flips
-    (docs/quantized.md measures both)."""
+    -> the `Weight` the engine received for it: a merged LoRA weight merged) computes
+    ``scheme.linear`` of its input and that weight (`Scheme`: input quantized per token for a
+    W8A8 scheme, weight quantized, both dequantized, in float32; `TorchAO`: torchao's own code).
+    The model is not modified: forward hooks replace the layers' outputs, and are removed on
+    exit. What stays between this and the engine is kernel rounding -- and, with 8-bit
+    activations, the grid roundings that rounding flips (docs/quantized.md measures both)."""
     hooks = []
     for name, module in model.named_modules():
         weight = weights.get(name.replace(".base_layer", ""))
@@ -299,10 +390,11 @@ def simulated(
             hook.remove()
 
 
-def _engine_like(scheme: Scheme, weight: Weight, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+def _engine_like(
+    scheme: Arithmetic, weight: Weight, dtype: torch.dtype
+) -> Callable[..., torch.Tensor]:
     def forward(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> Any:
-        w = scheme.dequantized(weight.produce(dtype), dtype)
-        y = torch.nn.functional.linear(scheme.tokens(args[0].float()), w)
+        y = scheme.linear(args[0], weight.produce(dtype), dtype).float()
         bias: torch.Tensor | None = getattr(module, "bias", None)
         if bias is not None:
             y = y + bias.float()
