@@ -280,6 +280,27 @@ def test_a_torchao_config_not_measured_is_not_simulated_and_named():
     assert arithmetic(Quantization("torchao")) is None  # no config reported (an older worker)
 
 
+def test_the_torchao_reference_leaves_the_trainers_inductor_options_alone(monkeypatch):
+    """torchao's configs set torch._inductor's process-wide options when they quantize
+    (``set_inductor_config``); the reference quantizes with it off, so verifying does not change
+    how the trainer's own code compiles. Its product is ``x @ w.T`` up to int8 rounding."""
+    import torch._inductor.config as inductor
+    import torchao.quantization as ao
+    from torchao.core.config import config_to_dict
+
+    from weightsync.trainer.quantize import arithmetic
+
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
+    config = config_to_dict(ao.Int8DynamicActivationInt8WeightConfig())
+    found = arithmetic(Quantization("torchao", config={"torchao": config}))
+    assert found is not None
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    y = found.linear(x, w, torch.bfloat16).float()
+    assert inductor.coordinate_descent_tuning is False
+    assert torch.allclose(y, x @ w.T, rtol=0.05, atol=0.5) and not torch.equal(y, x @ w.T)
+
+
 # --- pre-quantized compressed-tensors --------------------------------------------------------
 
 

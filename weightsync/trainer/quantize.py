@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -274,10 +274,15 @@ class TorchAO:
         from torchao.core.config import config_from_dict  # type: ignore[import-untyped, unused-ignore]
         from torchao.quantization import quantize_  # type: ignore[import-untyped, unused-ignore]
 
+        config = config_from_dict(dict(self.config))
+        if hasattr(config, "set_inductor_config"):
+            # The flag sets torch._inductor's process-wide options (the trainer's compiles);
+            # the arithmetic does not depend on it.
+            config = replace(config, set_inductor_config=False)
         with torch.device("meta"):
             holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
         holder[0].weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
-        quantize_(holder, config_from_dict(dict(self.config)))
+        quantize_(holder, config)
         return torch.nn.functional.linear(x.to(dtype), holder[0].weight)
 
 
