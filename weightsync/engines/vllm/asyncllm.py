@@ -50,6 +50,7 @@ from ...errors import EngineUnavailableError
 from ..base import register
 from .control import (
     Control,
+    LoraIds,
     greedy_params,
     greedy_result,
     score_params,
@@ -95,7 +96,7 @@ class AsyncLLMControl(Control):
         self.loop: asyncio.AbstractEventLoop = loop
         self.timeout_s = timeout_s
         self._loras: dict[str, Any] = {}
-        self._next_id = 1
+        self._ids = LoraIds()
 
     def _run(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run ``call()`` on the AsyncLLM's loop and wait for its result.
@@ -173,15 +174,7 @@ class AsyncLLMControl(Control):
         return self._loras.get(name) if name else None
 
     def load_lora(self, name: str, path: str) -> None:
-        from vllm.lora.request import LoRARequest
-
-        # A fresh id per version (add_lora keeps an adapter already loaded under an id), never
-        # one another adapter holds (the user's own, often id 1).
-        loaded = self._run(self.async_llm.list_loras)
-        while self._next_id in loaded:
-            self._next_id += 1
-        request = LoRARequest(name, self._next_id, path)
-        self._next_id += 1
+        request = self._ids.request(name, path, self._run(self.async_llm.list_loras))
         self._run(lambda: self.async_llm.add_lora(request))
         self._loras[name] = request
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, cast
 
 from ...errors import AuthError, EngineUnavailableError
@@ -398,6 +398,27 @@ class HTTPControl(Control):
         self._call("POST", "/shutdown_weight_transfer_engine")
 
 
+class LoraIds:
+    """A fresh adapter id for each adapter version an ``LLM`` or ``AsyncLLM`` loads, never one
+    another adapter of the engine holds: vLLM's ``add_lora`` keeps an adapter already loaded
+    under an id (the new version would be ignored), and loading under an id the user's own
+    adapter holds would replace it (vLLM's usual example id is 1)."""
+
+    def __init__(self) -> None:
+        self._next = 1
+
+    def request(self, name: str, path: str, loaded: Iterable[int]) -> Any:
+        """A ``LoRARequest`` for ``name`` at ``path`` under an id none of ``loaded`` (the ids
+        the engine lists now) is."""
+        from vllm.lora.request import LoRARequest
+
+        held = set(loaded)
+        while self._next in held:
+            self._next += 1
+        self._next += 1
+        return LoRARequest(name, self._next - 1, path)
+
+
 class LLMControl(Control):
     """A ``vllm.LLM`` with its default multiprocess engine core (any tensor parallel size),
     created with ``worker_extension_cls=WORKER_EXTENSION``. Its ``generate`` is synchronous, so
@@ -409,7 +430,7 @@ class LLMControl(Control):
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._loras: dict[str, Any] = {}
-        self._next_id = 1
+        self._ids = LoraIds()
 
     @contextlib.contextmanager
     def _answering(self) -> Iterator[None]:
@@ -439,17 +460,8 @@ class LLMControl(Control):
             self.llm.reset_prefix_cache()
 
     def load_lora(self, name: str, path: str) -> None:
-        from vllm.lora.request import LoRARequest
-
         with self._answering():
-            # A fresh id per version (the LLM's add_lora keeps an adapter already loaded under
-            # an id), never one another adapter of the LLM holds: loading under it would
-            # replace the user's own adapter (vLLM's usual example id is 1).
-            loaded = self.llm.llm_engine.list_loras()
-            while self._next_id in loaded:
-                self._next_id += 1
-            request = LoRARequest(name, self._next_id, path)
-            self._next_id += 1
+            request = self._ids.request(name, path, self.llm.llm_engine.list_loras())
             self.llm.llm_engine.add_lora(request)
         self._loras[name] = request
 
