@@ -1,0 +1,144 @@
+"""Only the changed bytes on the wire (``weightsync.wire.delta``) after a realistic training step,
+beside the in-process FullSync and the full gloo sync, in one run.
+
+    bash .ci/env python -m benchmarks.delta [--model 0.5b] [--runs 3]
+
+The trainer holds float32 master weights (the model's checkpoint loaded in float32) and takes
+one AdamW step (lr 1e-6, a random batch of ``--tokens`` tokens) before every sync, outside the
+timer; the engine is a bf16 ``vllm.LLM`` of the same checkpoint, so each sync casts to bf16.
+Rows, each the median (min-max) of ``--runs`` syncs after a warm-up (`measure.timed_runs`; the
+warm-up of the delta row is its full first sync), the engine checked against the trainer after
+the last (``verify.check_engine``, bf16 tolerance):
+
+- in process: `VLLMEngine` in this process (the reference), then released;
+- gloo, full: a multiprocess ``LLM`` (engine core and worker in other processes), every bucket
+  broadcast over loopback gloo (``GlooTransport()``);
+- gloo, delta: the same ``LLM``, ``GlooTransport(delta=True)``.
+
+Also printed: the fraction of bf16 elements (and bytes) each step changed, and the bytes each
+gloo row put on the wire (``GlooTransport.last_sync``). Everything shares this machine's cores
+(the trainer, the engine's worker): a figure taken while anything else runs is not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from typing import Any
+
+
+class Stepped:
+    """A sync preceded by a training step, outside the sync's own timing (its report's
+    seconds): what `measure.timed_runs` times is the sync alone."""
+
+    def __init__(self, sync: Any, step: Any) -> None:
+        self.sync_, self.step = sync, step
+
+    def sync(self, model: Any, engine: Any) -> Any:
+        self.step()
+        return self.sync_.sync(model, engine)
+
+
+class Trainer:
+    """fp32 master weights and AdamW (lr 1e-6); `step` takes one step on a random batch and
+    records the fraction of bf16 elements it changed."""
+
+    def __init__(self, model: Any, tokens: int) -> None:
+        import torch
+
+        self.model, self.tokens = model, tokens
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        self.changed: list[float] = []
+        self._gen = torch.Generator().manual_seed(0)
+
+    def _bf16(self) -> list[Any]:
+        import torch
+
+        return [p.detach().to(torch.bfloat16) for p in self.model.parameters()]
+
+    def step(self) -> None:
+        import torch
+
+        before = self._bf16()
+        ids = torch.randint(0, self.model.config.vocab_size, (1, self.tokens), generator=self._gen)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory back before the sync
+        after = self._bf16()
+        changed = sum(int((a != b).sum()) for a, b in zip(before, after, strict=True))
+        self.changed.append(changed / sum(a.numel() for a in before))
+
+
+def _row(label: str, sync: Any, trainer: Trainer, engine: Any, runs: int) -> dict:
+    from weightsync.verify import check_engine
+
+    from .measure import timed_runs
+
+    row = {"sync": label, **timed_runs(Stepped(sync, trainer.step), trainer.model, engine, runs)}
+    check_engine(trainer.model, engine, strategy="FullSync")  # raises unless the trainer's
+    wire = getattr(getattr(engine, "transport", None), "last_sync", None)
+    row["wire_bytes"] = wire.wire_bytes if wire is not None else row["bytes"]
+    print(
+        f"| {label} | {row['median_s']:.3f} ({row['min_s']:.3f}-{row['max_s']:.3f}) "
+        f"| {row['bytes']:,} | {row['wire_bytes']:,} |",
+        flush=True,
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.delta", description=__doc__)
+    ap.add_argument("--model", default="0.5b", help="a benchmark shape: 0.5b, tiny")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens in a step's random batch")
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightsync import FullSync
+    from weightsync import testing as T
+    from weightsync.engines import GlooTransport, VLLMEngine, VLLMMultiprocEngine
+
+    from .models import resolve
+
+    spec = resolve(args.model)
+    model = AutoModelForCausalLM.from_pretrained(spec.checkpoint, dtype=torch.float32)
+    trainer = Trainer(model, args.tokens)
+    sync = FullSync(skip_unchanged=False)  # every weight, every time
+    kv = 256 << 20
+    rows = []
+    print(
+        f"# FullSync after an AdamW step (fp32 master weights, lr 1e-6) into a bf16 engine: "
+        f"{spec.name}, {args.runs} runs after a warm-up"
+    )
+    print("| sync | s median (min-max) | bytes of the buckets | bytes on the wire |")
+    print("|---|---|---|---|")
+    local = VLLMEngine(T.make_llm(spec.checkpoint, dtype="bfloat16", kv_cache_bytes=kv))
+    rows.append(_row("in process (VLLMEngine)", sync, trainer, local, args.runs))
+    del local
+    gc.collect()
+    with T.multiproc_llm(spec.checkpoint, dtype="bfloat16", kv_cache_bytes=kv) as llm:
+        for label, delta in (("gloo, full", False), ("gloo, delta", True)):
+            engine = VLLMMultiprocEngine(llm, transport=GlooTransport(delta=delta))
+            try:
+                rows.append(_row(label, sync, trainer, engine, args.runs))
+            finally:
+                engine.close()
+    changed = statistics.median(trainer.changed)
+    print(
+        f"# each step changed {changed:.4%} of the bf16 elements (median of "
+        f"{len(trainer.changed)} steps; min {min(trainer.changed):.4%}, max "
+        f"{max(trainer.changed):.4%})"
+    )
+    base, delta_row = rows[0], rows[-1]
+    print(f"# delta sent {delta_row['wire_bytes'] / delta_row['bytes']:.2%} of the bytes")
+    for row in rows[1:]:
+        print(f"# {row['sync']}: {row['median_s'] / base['median_s']:.2f}x in process")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
