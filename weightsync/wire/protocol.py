@@ -43,7 +43,9 @@ class Quantization:
             its checkpoint holds them, and a sync must send them (``trainer/quantize.py``).
             False for an online method, which quantizes whatever bf16 weights it loads.
         config: the checkpoint's ``quantization_config`` (compressed-tensors: its config groups
-            with targets and arguments, ``ignore``, ``format``); empty for an online method.
+            with targets and arguments, ``ignore``, ``format``); empty for an online method,
+            except torchao: ``{"torchao": config_to_dict(<the config vLLM runs>)}``, which
+            verification simulates (``trainer/quantize.py``).
         kv_cache: the KV cache dtype (``"auto"``: the model's; ``"fp8"``).
         modules: the modules the engine holds quantized, by checkpoint name
             (``model.layers.0.self_attn.q_proj``), as its workers read them from the model vLLM

@@ -16,6 +16,7 @@ backend) and in the trainer's process for an in-process ``LLM``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -194,12 +195,20 @@ def quantization(config: Any, model: torch.nn.Module) -> Quantization | None:
     """The engine's `Quantization` from its vLLM config (None: unquantized), with the modules
     it holds quantized (`quantized_module_names`)."""
     model_config = config.model_config
-    return Quantization.read(
+    found = Quantization.read(
         model_config.quantization,
         getattr(model_config.hf_config, "quantization_config", None),
         getattr(config.cache_config, "cache_dtype", None),
         quantized_module_names(model),
     )
+    # Online torchao takes its config from hf_overrides (a JSON or a file), not the checkpoint:
+    # report the config vLLM runs, as torchao serializes it, so verification runs the same one.
+    torchao_config = getattr(getattr(config, "quant_config", None), "torchao_config", None)
+    if found is not None and not found.prequantized and torchao_config is not None:
+        from torchao.core.config import config_to_dict  # type: ignore[import-untyped, unused-ignore]
+
+        found = dataclasses.replace(found, config={"torchao": config_to_dict(torchao_config)})
+    return found
 
 
 def quantized_module_names(model: torch.nn.Module) -> tuple[str, ...]:
