@@ -36,6 +36,67 @@ from weightsync.engines import Engine, VLLMEngine
 pytest_plugins = ["pytester"]
 
 
+# --- running the suite on two workers (pytest-xdist, ``-n 2`` in pyproject's addopts) -----------
+#
+# Most of the suite's time is one process waiting on another (a `vllm serve` or an engine core
+# starting, a Ray node, a trainer subprocess importing torch), so two workers on a 2-core machine
+# finish in about two thirds of the time of one. Three rules keep that safe:
+# - a module is a unit of work: its engine, server or cluster fixtures are module-scoped, and
+#   splitting a module across workers would start them twice;
+# - modules that start a Ray cluster run on one worker, one after the other: a cluster's fixture
+#   fails if Ray left files in /dev/shm when it stopped, and another live cluster's files would
+#   be counted;
+# - the longest modules start first (longest-first keeps the two workers' ends close), the rest
+#   in file order.
+
+#: Modules that must not run beside each other: one unit of work, in this order.
+SERIAL = {"ray": ("test_ray_vllm.py", "test_recipes_ray.py")}
+#: The longest modules (measured in a full run), started first, longest first.
+LONGEST = (
+    "test_lifecycle_fuzz.py",
+    "test_swift.py",
+    "test_trl.py",
+    "ray",
+    "test_server_vllm.py",
+    "test_security_vllm.py",
+    "test_quantized_vllm.py",
+)
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return next((group for group, names in SERIAL.items() if module in names), module)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the collected tests by unit (see above); within a unit, as collected."""
+    first = {unit: i for i, unit in enumerate(LONGEST)}
+    rank = {}
+    for i, item in enumerate(items):
+        rank.setdefault(_unit(item.nodeid), (first.get(_unit(item.nodeid), len(first)), i))
+    members = {g: {m: j for j, m in enumerate(names)} for g, names in SERIAL.items()}
+
+    def key(item: pytest.Item) -> tuple:
+        unit = _unit(item.nodeid)
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        return (*rank[unit], members.get(unit, {}).get(module, 0))
+
+    items.sort(key=key)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's per-scope scheduler with a unit of work per module (or `SERIAL` group), handed
+    out in collection order (`pytest_collection_modifyitems`)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByUnit(config, log)
+
+
 def recover(engine: Engine) -> list[str]:
     """Wake ``engine`` for real and abort requests a failed ``generate`` left behind; return
     what was done (empty if the engine was fine)."""

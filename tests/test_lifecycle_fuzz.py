@@ -18,9 +18,10 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
   After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself,
   without telling weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset;
-- syncs by every entry point: ``Syncer.sync``, ``policy.choose`` + ``strategy.sync`` (the caller
-  tracking ``base_sync_done`` and the sleep level as a framework does), a ``Replicas`` target,
-  and ``weightsync.distributed.sync`` (with a Syncer or a strategy) in a one-process gloo group.
+- syncs by every entry point: ``Syncer.sync`` (or ``await Syncer.async_sync``),
+  ``policy.choose`` + ``strategy.sync`` (the caller tracking ``base_sync_done`` and the sleep
+  level as a framework does), a ``Replicas`` target, and ``weightsync.distributed.sync`` (with a
+  Syncer or a strategy) in a one-process gloo group.
 
 Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
@@ -31,7 +32,7 @@ Profiles (``test_found_before`` always replays the walks that found bugs, see ``
 
     pytest -q tests/test_lifecycle_fuzz.py                          # short: seeds 0-11, 6 steps
     WEIGHTSYNC_FUZZ_STEPS=500 WEIGHTSYNC_FUZZ_SEEDS=0-47 pytest ...  # long
-    WEIGHTSYNC_FUZZ_SEED=7 WEIGHTSYNC_FUZZ_STEPS=40 pytest ...       # replay one seed
+    WEIGHTSYNC_FUZZ_SEED=7 WEIGHTSYNC_FUZZ_STEPS=40 pytest -n 0 -s ... # replay one seed
 
 ``WEIGHTSYNC_FUZZ_SEEDS`` takes ``a-b`` ranges and commas (``0-11,40,97``). A failure names the
 seed, the world, the step, and the full rule history to replay it.
@@ -43,6 +44,7 @@ and vLLM itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -286,6 +288,9 @@ class Walk:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        # Choices added after seeds were kept (FOUND) draw from their own generator, so every
+        # kept seed still walks the rules it walked when it found its bug.
+        self.side_rng = random.Random(f"side-{self.seed}")
         e = self.engines
         if self.target == "inproc":
             self.phys = [e["lora"] if self.setup == "served" else e["plain"]]
@@ -319,7 +324,7 @@ class Walk:
             f"weightsync lifecycle fuzz: seed {self.seed} world {self.target}/{self.setup} "
             f"step {self.step}: {what}\n"
             f"replay: WEIGHTSYNC_FUZZ_SEED={self.seed} WEIGHTSYNC_FUZZ_STEPS={self.steps} "
-            f"pytest -q tests/test_lifecycle_fuzz.py -s\n"
+            f"pytest -q -n 0 -s tests/test_lifecycle_fuzz.py\n"
             "history:\n  " + "\n  ".join(self.history)
         )
 
@@ -530,7 +535,12 @@ class Walk:
         if report_how == "mark":
             line = f"engine.mark_asleep({self.known_level}); engine.mark_awake(); " + line
         self.pending_line = "sync: " + line
-        if entry == "syncer":
+        if entry == "syncer" and self.side_rng.random() < 0.5:
+            # The async entry point: the same sync in a worker thread, awaited on a loop.
+            self.pending_line = self.pending_line.replace("Syncer.sync", "await Syncer.async_sync")
+            line = line.replace("Syncer.sync", "await Syncer.async_sync")
+            report = asyncio.run(self.syncer.async_sync(self.model, sleep_level=level_arg))
+        elif entry == "syncer":
             report = self.syncer.sync(self.model, sleep_level=level_arg)
         elif entry == "dist_syncer":
             report = wdist.sync(self.syncer, self.model, group=self.group)
