@@ -375,7 +375,9 @@ def arithmetic(q: Quantization) -> Arithmetic | None:
 def simulated(
     model: torch.nn.Module, scheme: Arithmetic, weights: Mapping[str, Weight], dtype: torch.dtype
 ) -> Iterator[None]:
-    """Run ``model`` (the transformers model, with adapters disabled if it is a PEFT model) as a
+    """Run ``model`` (the transformers model; a PEFT model's adapters disabled when the engine
+    received merged weights, active when it serves the adapter: PEFT then adds the LoRA term to
+    the hooked ``base_layer``'s output, as vLLM's LoRA layers add it to the quantized base's) as a
     quantized engine computes: every linear layer named in ``weights`` (checkpoint module name
     -> the `Weight` the engine received for it: a merged LoRA weight merged) computes
     ``scheme.linear`` of its input and that weight (`Scheme`: input quantized per token for a
