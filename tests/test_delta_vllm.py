@@ -140,15 +140,15 @@ def test_a_forged_delta_is_refused_and_the_next_sync_repairs(llm, engines, monke
     model, optimizer = trainer()
     SYNC.sync(model, delta)
     step(model, optimizer, seed=6)
-    honest = delta_mod.diff
+    honest = delta_mod.encode
 
-    def forged(base, new, base_tag):
-        made = honest(base, new, base_tag)
+    def forged(positions, words, base_tag):
+        made = honest(positions, words, base_tag)
         values = made.values.copy()
         values[-1:] ^= 1
         return delta_mod.Delta(made.base, made.size, made.word, made.gaps, values)
 
-    monkeypatch.setattr(delta_mod, "diff", forged)
+    monkeypatch.setattr(delta_mod, "encode", forged)
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         SYNC.sync(model, delta)
     monkeypatch.undo()

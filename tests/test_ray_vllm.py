@@ -246,17 +246,17 @@ def test_deltas_through_the_object_store(actors, monkeypatch):
         sync_and_check(sync, model, ours)
         assert ours.transport.last_sync.full_buckets == 0
 
-        honest = delta_mod.diff
+        honest = delta_mod.encode
 
-        def forged(base, new, base_tag):
-            made = honest(base, new, base_tag)
+        def forged(positions, words, base_tag):
+            made = honest(positions, words, base_tag)
             values = made.values.copy()
             values[-1:] ^= 1
             return delta_mod.Delta(made.base, made.size, made.word, made.gaps, values)
 
         sparse_step(model, seed=4)
         serving = ours.greedy_batch(T.PROMPTS, 8)
-        monkeypatch.setattr(delta_mod, "diff", forged)
+        monkeypatch.setattr(delta_mod, "encode", forged)
         with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
             sync.sync(model, ours)
         monkeypatch.undo()

@@ -135,20 +135,25 @@ def _step(payload: np.ndarray, where: list[int], seed: int = 0) -> np.ndarray:
     return new
 
 
+def _diff(base: np.ndarray, new: np.ndarray, tag: str) -> delta_mod.Delta:
+    words = new.view(np.uint16 if new.size % 2 == 0 else np.uint8)
+    return delta_mod.encode(np.flatnonzero(base.view(words.dtype) != words), words, tag)
+
+
 @pytest.mark.parametrize("size", [300_000, 300_001])  # 16-bit words; 8-bit for an odd length
 def test_a_delta_patches_the_base_into_the_new_bytes_exactly(size):
     base = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
     # changes at both ends and a gap longer than one entry spans (bridged by no-op entries)
     new = _step(base, [0, 1, 7, 8, 9, 200_000, size - 1])
-    delta = delta_mod.diff(base, new, "tag-of-base")
-    assert delta.word == (2 if size % 2 == 0 else 1)
+    delta = _diff(base, new, "tag-of-base")
+    assert delta.word == (2 if size % 2 == 0 else 1) and delta.size == size
     assert (delta.gaps > 0).all() and len(delta.gaps) <= 7 + size // delta_mod.MAX_GAP
     back = delta_mod.Delta.from_bytes(delta.to_bytes())
     assert back.base == "tag-of-base" and back.nbytes == delta.nbytes < 200
     patched = base.copy()
     back.apply(patched)
     assert np.array_equal(patched, new)
-    unchanged = delta_mod.diff(base, base, "t")
+    unchanged = _diff(base, base, "t")
     assert len(unchanged.gaps) == 0
     patched = base.copy()
     unchanged.apply(patched)
@@ -157,7 +162,7 @@ def test_a_delta_patches_the_base_into_the_new_bytes_exactly(size):
 
 def test_a_delta_that_does_not_fit_is_refused():
     base = np.zeros(64, dtype=np.uint8)
-    delta = delta_mod.diff(base, _step(base, [63]), "t")
+    delta = _diff(base, _step(base, [63]), "t")
     with pytest.raises(BytesRejectedError, match="bucket of 64 bytes arrived for a copy of 32"):
         delta.apply(np.zeros(32, dtype=np.uint8))
     wire = delta.to_bytes()
@@ -174,27 +179,30 @@ def test_a_delta_that_does_not_fit_is_refused():
 
 def test_deltas_only_against_the_copy_every_worker_reports():
     """The trainer's half sends a delta only for a bucket of the same layout at the same index,
-    after a sync every worker reported with the id it left; any doubt sends the bucket whole."""
+    after a sync every worker reported with the id it left; any doubt sends the bucket whole.
+    The kept copy is updated in place and is, byte for byte, the bucket's full pack."""
     sent = delta_mod.SentCopies()
-    a = fmt.pack([("w", torch.randn(64, 64, dtype=torch.bfloat16))]).numpy()
+    sign = lambda data: f"tag-{data.sum()}"  # noqa: E731 (any function of the bytes)
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
     first = sent.begin([None])
-    assert sent.next(a, "tag-a") is None  # nothing kept yet: whole
+    _, first_tag, whole = sent.next([("w", w)], sign)
+    assert whole is None  # nothing kept yet: whole
     sent.commit()
     assert sent.synced == first
-    b = _step(a, [a.size - 2])
+    w.view(-1)[-1] += 1.0
     sent.begin([first])
-    delta = sent.next(b, "tag-b")
-    assert delta is not None and delta.base == "tag-a"
+    payload, tag, delta = sent.next([("w", w)], sign)
+    assert delta is not None and delta.base == first_tag and tag == sign(payload)
+    assert np.array_equal(payload, fmt.pack([("w", w)]).numpy())
     assert sent.last.delta_buckets == 1 and sent.last.wire_bytes < sent.last.bucket_bytes / 10
     sent.reset()  # a failed sync: whole next time, whatever the workers say
     sent.begin([first])
-    assert sent.next(b, "tag-b2") is None
+    assert sent.next([("w", w)], sign)[2] is None
     sent.commit()
-    other = fmt.pack([("w", torch.randn(32, 128, dtype=torch.bfloat16))]).numpy()  # same size
-    assert other.size == b.size
-    for reported, bucket in [(["someone-else"], b), ([sent.synced], other)]:
+    other = torch.randn(32, 128, dtype=torch.bfloat16)  # same size, another layout
+    for reported, tensor in [(["someone-else"], w), ([sent.synced], other)]:
         sent.begin(reported)  # another trainer's sync; another layout at the index
-        assert sent.next(bucket, "t") is None
+        assert sent.next([("w", tensor)], sign)[2] is None
         sent.commit()
 
 

@@ -462,10 +462,10 @@ class RayObjectStoreTransport(Transport):
         try:
             for bucket in buckets:  # a failure here: nothing reached the engine
                 with timing.span("serialize"):
-                    payload = fmt.pack(bucket).numpy()
-                    tags.append(signer.sign(payload))
-                    delta = copies.next(payload, tags[-1])
+                    payload, tag, delta = copies.next(bucket, signer.sign)
+                    # put copies the payload into the store: the kept one may change after
                     refs.append(ray.put(payload if delta is None else delta.to_bytes()))
+                    tags.append(tag)
                     deltas.append(delta is not None)
             kwargs = {"refs": refs, "key": signer.key_hex, "tags": tags, "deltas": deltas}
             rpc(LOAD_OBJECTS, kwargs | {"delta": sync_id})

@@ -53,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,11 +71,6 @@ _META_LEN = 8  # bytes of the little-endian length of a delta's JSON metadata
 
 def _words(buffer: np.ndarray, word: int) -> np.ndarray:
     return buffer.view(np.uint16 if word == 2 else np.uint8)
-
-
-def _header_bytes(payload: np.ndarray) -> int:
-    """Bytes of a safetensors payload's header, its length prefix included."""
-    return 8 + int.from_bytes(payload[:8].tobytes(), "little")
 
 
 @dataclass(frozen=True)
@@ -161,20 +156,19 @@ class Delta:
         words[positions] = self.values
 
 
-def diff(base: np.ndarray, new: np.ndarray, base_tag: str) -> Delta:
-    """The `Delta` that turns ``base`` into ``new`` (uint8 arrays of one size)."""
-    word = 2 if new.size % 2 == 0 else 1
-    old_words, new_words = _words(base, word), _words(new, word)
-    changed = np.flatnonzero(old_words != new_words)
-    gaps = np.diff(changed, prepend=-1)
+def encode(positions: np.ndarray, words: np.ndarray, base_tag: str) -> Delta:
+    """The `Delta` of the new bucket ``words`` (its bytes as 8- or 16-bit words) whose words
+    at ``positions`` (ascending) differ from the base tagged ``base_tag``."""
+    gaps = np.diff(positions, prepend=-1)
     bridges = (gaps - 1) // MAX_GAP  # words a gap needs bridged before its entry
     total = int(bridges.sum())
     if total:
-        previous = np.repeat(changed - gaps, bridges)
+        previous = np.repeat(positions - gaps, bridges)
         step = np.arange(total) - np.repeat(np.cumsum(bridges) - bridges, bridges) + 1
-        changed = np.sort(np.concatenate([changed, previous + step * MAX_GAP]))
-        gaps = np.diff(changed, prepend=-1)
-    return Delta(base_tag, int(new.size), word, gaps.astype(np.uint16), new_words[changed])
+        positions = np.sort(np.concatenate([positions, previous + step * MAX_GAP]))
+        gaps = np.diff(positions, prepend=-1)
+    word = words.itemsize
+    return Delta(base_tag, words.size * word, word, gaps.astype(np.uint16), words[positions])
 
 
 @dataclass
@@ -198,6 +192,7 @@ class WireCount:
 class _Copy:
     payload: np.ndarray
     tag: str
+    header: bytes = b""  # the trainer's: the layout the payload holds
 
 
 @dataclass
@@ -232,27 +227,52 @@ class SentCopies:
         self.last = WireCount()
         return self._pending
 
-    def next(self, payload: np.ndarray, tag: str) -> Delta | None:
-        """The next bucket of the sync (its full payload, which this keeps: do not modify
-        it, and ``tag``, its tag): the delta to send for it, or None to send it whole."""
+    def next(
+        self, bucket: fmt.Pairs, sign: Callable[[np.ndarray], str]
+    ) -> tuple[np.ndarray, str, Delta | None]:
+        """The next bucket of the sync: its whole payload (kept here until the next sync
+        rewrites it: do not modify it), its tag (``sign(payload)``), and the delta to send
+        instead of the payload (None: send it whole).
+
+        A bucket of the layout kept at its index is compared tensor by tensor against the kept
+        payload, and only the words that differ are written into it: no second copy of the
+        bucket, no fresh memory to fault in, one compare pass (a tensor's bytes and the kept
+        ones). Words are 16-bit unless the bucket holds a 1-byte dtype (whose tensors
+        safetensors places last, at any offset)."""
         index, self._index = self._index, self._index + 1
+        header, places = fmt.layout(bucket)
         kept = self._copies.get(index)
         delta = None
-        if self._usable and kept is not None and kept.payload.size == payload.size:
-            n = _header_bytes(payload)
-            if np.array_equal(kept.payload[:n], payload[:n]):  # the same layout
-                delta = diff(kept.payload, payload, kept.tag)
-                if delta.nbytes >= payload.size:
-                    delta = None
-        self._copies[index] = _Copy(payload, tag)
-        self.last.bucket_bytes += payload.size
+        if not self._usable or kept is None or kept.header != header:
+            payload = np.empty(fmt.size(header, places), dtype=np.uint8)
+            payload[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+            fmt.copy_into(payload[len(header) :], places)
+            kept = self._copies[index] = _Copy(payload, sign(payload), header)
+        else:
+            word = 2 if all(t.element_size() >= 2 for t, _, _ in places) else 1
+            words = _words(kept.payload, word)
+            changed = []
+            for tensor, offset, _ in places:
+                raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+                new = _words(raw, word)
+                start = (len(header) + offset) // word
+                old = words[start : start + len(new)]
+                found = np.flatnonzero(old != new)
+                old[found] = new[found]
+                changed.append(found + start)
+            tag = sign(kept.payload)
+            delta = encode(np.concatenate(changed or [np.empty(0, np.int64)]), words, kept.tag)
+            kept.tag = tag
+            if delta.nbytes >= kept.payload.size:
+                delta = None
+        self.last.bucket_bytes += kept.payload.size
         if delta is None:
             self.last.full_buckets += 1
-            self.last.wire_bytes += payload.size
+            self.last.wire_bytes += kept.payload.size
         else:
             self.last.delta_buckets += 1
             self.last.wire_bytes += delta.nbytes
-        return delta
+        return kept.payload, kept.tag, delta
 
     def commit(self) -> None:
         """Every worker loaded the sync: its id is the workers' now."""

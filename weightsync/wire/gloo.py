@@ -160,17 +160,18 @@ def send_bucket(
 ) -> None:
     """One bucket frame: its header, the bucket's bytes, and (with ``signer``) their tag; with
     ``copies`` (which need a ``signer``), a DELTA frame instead when ``copies`` has a base."""
-    payload = fmt.pack(bucket)
-    header = _header(FRAME_BUCKET, payload.numel())
     if copies is None:
-        _signed(group, signer, header, payload)
+        payload = fmt.pack(bucket)
+        _signed(group, signer, _header(FRAME_BUCKET, payload.numel()), payload)
         return
     if signer is None:
         raise ValueError("a delta is checked by the tag of the full bucket: sign the stream")
-    tag = signer.sign(header.numpy(), payload.numpy())
-    delta = copies.next(payload.numpy(), tag)
+    whole, tag, delta = copies.next(
+        bucket, lambda data: signer.sign(_header(FRAME_BUCKET, data.size).numpy(), data)
+    )
     if delta is None:
-        _signed(group, signer, header, payload, tag=tag)
+        data = torch.from_numpy(whole)
+        _signed(group, signer, _header(FRAME_BUCKET, data.numel()), data, tag=tag)
     else:
         wire = torch.from_numpy(delta.to_bytes())
         _signed(group, signer, _header(FRAME_DELTA, wire.numel()), wire, tag=tag)
@@ -240,19 +241,14 @@ class Receiver:
         broadcast(self.group, frame)
         return bytes(frame.numpy()).rstrip(b"\0").decode(errors="replace")
 
-    def _check(self, what: str, *parts: Any) -> str:
+    def _check(self, what: str, *parts: torch.Tensor) -> str:
+        """Check ``parts`` against the TAG frame that follows them; the tag ("" untagged)."""
         if not self.key:
             return ""
         tag = self._tag()
         if self._draining:
             return tag
-        check(
-            self.key,
-            tag,
-            what,
-            *(p.numpy() if torch.is_tensor(p) else p for p in parts),
-            expect=self._frames,
-        )
+        check(self.key, tag, what, *(p.numpy() for p in parts), expect=self._frames)
         self._frames += 1
         return tag
 
