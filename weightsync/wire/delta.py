@@ -11,14 +11,13 @@ one host, a full sync there is one copy on each side, and a delta would add a co
 the trainer and a patch pass in the worker to save nothing on the way.
 
 **Encoding** (chosen by measurement on a 512 MiB bf16 bucket of that step, docs/delta.md): the
-bucket's bytes as 16-bit words (8-bit when its length is odd: 1-byte dtypes), and for each
+bucket's bytes as 16-bit words (8-bit when it holds a 1-byte dtype), and for each
 changed word the gap to the previous one (uint16) and its new value. 1.5% of the bucket's bytes
 against 2.3% for int32 positions + values and 7.0% for a bitmap + values (whose patch was also
 ~10x slower: unpacking the bitmap touches every element); the patch is a cumulative sum and one
 scatter. A gap longer than 65535 words is bridged by a "changed" word at most every 65535 that
 carries its own unchanged value: patching it is a no-op, so the format needs no escape. The
-values are the new words themselves (not XORs): what a phantom needs, and what a reader
-checks by eye. A delta larger than the bucket is not sent (the full bucket is).
+values are the new words themselves (not XORs): what a bridging entry needs. A delta larger than the bucket is not sent (the full bucket is).
 
 **Correct by construction.** The patched bucket must be byte-identical to the full bucket the
 trainer packed: the trainer tags (``wire.tags``) the FULL new bytes, and the worker checks that
@@ -81,7 +80,7 @@ class Delta:
         base: the tag (``wire.tags``) of the base it was computed against, as the worker
             recorded it when it checked that copy.
         size: bytes of the full bucket (its safetensors payload).
-        word: bytes per word, 2 (1 when ``size`` is odd).
+        word: bytes per word: 2, or 1 when the bucket holds a 1-byte dtype (any offset).
         gaps: uint16, the distance of each changed word from the previous one (the first from
             word -1).
         values: each changed word's new value.
