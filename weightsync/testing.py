@@ -209,7 +209,13 @@ def assert_matches(
 
 
 #: Worker calls that read and write nothing: the engine's facts and its attested epoch.
-READ_ONLY_RPCS = ("weightsync_facts", "weightsync_attest", "list_loras")
+READ_ONLY_RPCS = (
+    "weightsync_facts",
+    "weightsync_attest",
+    "weightsync_delta_state",
+    "weightsync_delta_digests",
+    "list_loras",
+)
 
 
 def reads_only(method: str) -> bool:
