@@ -15,14 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import discard, enter_sleep, full_model, lora_model, one_per_bucket, sync_and_check
+from conftest import (
+    discard,
+    enter_sleep,
+    forge_deltas,
+    full_model,
+    lora_model,
+    one_per_bucket,
+    sync_and_check,
+)
 
 from weightsync import Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, adapt
 from weightsync.errors import BytesRejectedError, EngineUnavailableError, WeightSyncError
 from weightsync.strategies import FullSync
-from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
 from weightsync.wire import scratch
 
@@ -225,8 +232,13 @@ def test_deltas_through_the_object_store(actors, monkeypatch):
     actor checks every bucket first), and the next sync repairs."""
     sync = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
     ours, theirs = (
-        RayVLLMEngine(actors[0], timeout_s=300, transport=RayObjectStoreTransport(delta=True))
-        for _ in range(2)
+        RayVLLMEngine(
+            actors[0],
+            timeout_s=300,
+            transport=RayObjectStoreTransport(delta=True),
+            lora_name=f"delta-{i}",  # not the module engines' adapter on this actor
+        )
+        for i in range(2)
     )
     try:
         model = full_model(ARCH, seed=61)
@@ -246,17 +258,9 @@ def test_deltas_through_the_object_store(actors, monkeypatch):
         sync_and_check(sync, model, ours)
         assert ours.transport.last_sync.full_buckets == 0
 
-        honest = delta_mod.encode
-
-        def forged(positions, words, base_tag):
-            made = honest(positions, words, base_tag)
-            values = made.values.copy()
-            values[-1:] ^= 1
-            return delta_mod.Delta(made.base, made.size, made.word, made.gaps, values)
-
         sparse_step(model, seed=4)
         serving = ours.greedy_batch(T.PROMPTS, 8)
-        monkeypatch.setattr(delta_mod, "encode", forged)
+        forge_deltas(monkeypatch)
         with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
             sync.sync(model, ours)
         monkeypatch.undo()

@@ -53,6 +53,7 @@ from .control import (
     LoraIds,
     greedy_params,
     greedy_result,
+    held_lora,
     score_params,
     score_result,
 )
@@ -171,7 +172,7 @@ class AsyncLLMControl(Control):
 
     def lora_request(self, name: str | None) -> Any:
         """The ``LoRARequest`` of the adapter loaded under ``name`` (None: none)."""
-        return self._loras.get(name) if name else None
+        return held_lora(self._loras, name)
 
     def load_lora(self, name: str, path: str) -> None:
         request = self._ids.request(name, path, self._run(self.async_llm.list_loras))

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, cast
 
-from ...errors import AuthError, EngineUnavailableError
+from ...errors import AdapterError, AuthError, EngineUnavailableError
 from ..base import Attestation
 from .in_engine.auth import HEADER as TOKEN_HEADER
 
@@ -398,6 +398,24 @@ class HTTPControl(Control):
         self._call("POST", "/shutdown_weight_transfer_engine")
 
 
+def held_lora(loras: dict[str, Any], name: str | None) -> Any:
+    """The ``LoRARequest`` loaded under ``name`` (None for no adapter).
+
+    Raises:
+        AdapterError: no adapter of that name is loaded: another client's write unloaded it
+            (two engine objects over one ``LLM`` sharing a ``lora_name``). Generating without
+            it would answer from the base alone, silently.
+    """
+    if not name:
+        return None
+    if name not in loras:
+        raise AdapterError(
+            f"the engine holds no adapter named {name!r} (another client's write unloaded it; "
+            "engines sharing one vLLM need lora_names of their own): sync again to load it"
+        )
+    return loras[name]
+
+
 class LoraIds:
     """A fresh adapter id for each adapter version an ``LLM`` or ``AsyncLLM`` loads, never one
     another adapter of the engine holds: vLLM's ``add_lora`` keeps an adapter already loaded
@@ -476,14 +494,14 @@ class LLMControl(Control):
     ) -> list[tuple[list[int], list[float]]]:
         with self._answering():
             return greedy_generate(
-                self.llm, prompts, max_tokens, self._loras[lora] if lora else None
+                self.llm, prompts, max_tokens, held_lora(self._loras, lora)
             )
 
     def score(
         self, prompts: list[list[int]], top_k: int, lora: str | None
     ) -> list[list[dict[int, float]]]:
         with self._answering():
-            return score_prompts(self.llm, prompts, top_k, self._loras[lora] if lora else None)
+            return score_prompts(self.llm, prompts, top_k, held_lora(self._loras, lora))
 
     def is_sleeping(self) -> bool:
         with self._answering():
