@@ -47,7 +47,10 @@ pytest_plugins = ["pytester"]
 #   fails if Ray left files in /dev/shm when it stopped, and another live cluster's files would
 #   be counted;
 # - the longest modules start first (longest-first keeps the two workers' ends close), the rest
-#   in file order.
+#   in file order;
+# - modules whose engines run tensor-parallel run alone (`ALONE`): their workers busy-wait on
+#   each other, and a process beside them on two cores stalls both (seen in a full run: a TP=2
+#   server's two workers at 100% each while the other worker's in-process engine got 2%).
 
 #: Modules that must not run beside each other: one unit of work, in this order.
 SERIAL = {"ray": ("test_ray_vllm.py", "test_recipes_ray.py")}
@@ -61,6 +64,11 @@ LONGEST = (
     "test_security_vllm.py",
     "test_quantized_vllm.py",
 )
+
+
+#: Modules that run with no other module beside them (a lock every worker takes: shared for
+#: the others, exclusive for these; see `pytest_runtest_protocol`).
+ALONE = ("test_server_vllm.py", "test_multiproc_vllm.py", "test_weight_transfer_vllm.py")
 
 
 def _unit(nodeid: str) -> str:
@@ -82,6 +90,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (*rank[unit], members.get(unit, {}).get(module, 0))
 
     items.sort(key=key)
+
+
+_locked: dict[str, Any] = {}  # module -> its open lock file, while this worker runs it
+
+
+def _module(item: pytest.Item | None) -> str:
+    return "" if item is None else item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist, hold a lock on pyproject.toml while a module runs: shared by most modules,
+    exclusive for `ALONE`. Taken outside pytest-timeout's timer (this wrapper runs first), so a
+    module waiting for another does not time out; released after the module's last test (its
+    module fixtures are torn down by then). Each worker holds one lock at a time: no deadlock.
+    The lock is queued for through a turnstile (this file, locked exclusively while waiting):
+    otherwise the other worker, releasing its shared lock and taking it again for its next
+    module, could keep an `ALONE` module waiting to the end of the run."""
+    import fcntl
+
+    module = _module(item)
+    if hasattr(item.config, "workerinput") and module not in _locked:
+        lock = open(item.config.rootpath / "pyproject.toml", "rb")  # noqa: SIM115 (held across calls)
+        with open(__file__, "rb") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            alone = module.rsplit("/", 1)[-1] in ALONE
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        _locked[module] = lock
+    yield
+    if module in _locked and _module(nextitem) != module:
+        _locked.pop(module).close()  # closing the file releases the lock
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -250,6 +289,22 @@ def bad_stream(model, engine, kind: str) -> Iterator[list[tuple[str, torch.Tenso
     if kind == "trainer":
         raise RuntimeError("injected: the trainer failed producing the next bucket")
     yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
+
+
+def forge_deltas(monkeypatch) -> None:
+    """From now on (until ``monkeypatch.undo()``) every delta the trainer encodes has its last
+    changed word flipped: a delta altered on the way, which the whole bucket's tag must refuse."""
+    from weightsync.wire import delta
+
+    honest = delta.encode
+
+    def forged(positions, words, base_tag):
+        made = honest(positions, words, base_tag)
+        values = made.values.copy()
+        values[-1:] ^= 1
+        return delta.Delta(made.base, made.size, made.word, made.gaps, values)
+
+    monkeypatch.setattr(delta, "encode", forged)
 
 
 def folders_left(engines) -> list[Path]:

@@ -13,7 +13,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import bad_stream, differs
+from conftest import bad_stream, differs, forge_deltas
 
 from weightsync import FullSync
 from weightsync import testing as T
@@ -140,15 +140,7 @@ def test_a_forged_delta_is_refused_and_the_next_sync_repairs(llm, engines, monke
     model, optimizer = trainer()
     SYNC.sync(model, delta)
     step(model, optimizer, seed=6)
-    honest = delta_mod.encode
-
-    def forged(positions, words, base_tag):
-        made = honest(positions, words, base_tag)
-        values = made.values.copy()
-        values[-1:] ^= 1
-        return delta_mod.Delta(made.base, made.size, made.word, made.gaps, values)
-
-    monkeypatch.setattr(delta_mod, "encode", forged)
+    forge_deltas(monkeypatch)
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         SYNC.sync(model, delta)
     monkeypatch.undo()

@@ -302,6 +302,10 @@ def killed(dummy_server):
         adapters = Path(served.adapter_path).parent  # the worker's scratch folder, its host's
         assert trainer.stdout is not None
         kept = Path(trainer.stdout.readline().strip())
+        # Checked while their owners live: once they are dead, any weightsync process starting
+        # on this machine may sweep them (another test worker's, too).
+        assert adapters.name.startswith("weightsync-") and adapters.is_dir()
+        assert (kept / "kept" / "bucket-00000.safetensors").is_file()
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         kill(dummy_server)
@@ -315,11 +319,8 @@ def killed(dummy_server):
 def test_a_crash_leaves_no_scratch_folder_behind(killed):
     """Kill a trainer holding kept bucket files and a server holding the adapter folder its
     worker wrote; the next weightsync start (any scratch folder made) sweeps both."""
-    _, adapters, kept = killed
-    assert adapters.name.startswith("weightsync-")
-    assert (kept / "kept" / "bucket-00000.safetensors").is_file()
-    assert adapters.is_dir() and kept.is_dir()  # nobody removed them: both processes died
-    TmpfsTransport().close()  # the next weightsync start
+    _, adapters, kept = killed  # both held by their (now dead) owners when they were killed
+    TmpfsTransport().close()  # the next weightsync start (or another test worker's, before it)
     assert not adapters.exists() and not kept.exists()
 
 

@@ -25,8 +25,9 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
 
 Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
-``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled) and a ``vllm serve``
-(LoRA enabled); the replica target is the last two together.
+``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled; bytes over gloo with
+deltas, so its workers' kept copies live through every rule) and a ``vllm serve`` (LoRA enabled,
+tmpfs); the replica target is the last two together.
 
 Profiles (``test_found_before`` always replays the walks that found bugs, see ``FOUND``)::
 
@@ -62,7 +63,13 @@ from peft import LoraConfig, get_peft_model
 from weightsync import FullSync, Syncer, policy
 from weightsync import distributed as wdist
 from weightsync import testing as T
-from weightsync.engines import Replicas, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
+from weightsync.engines import (
+    GlooTransport,
+    Replicas,
+    VLLMEngine,
+    VLLMMultiprocEngine,
+    VLLMServerEngine,
+)
 from weightsync.errors import WeightSyncError
 
 MAX_TOKENS = 8
@@ -239,7 +246,9 @@ def world(tmp_path_factory):
         mp_llm = stack.enter_context(
             T.multiproc_llm(checkpoint, enable_lora=True, max_lora_rank=16, max_loras=1)
         )
-        mp = VLLMMultiprocEngine(mp_llm, transport="tmpfs")
+        # Bytes over gloo with deltas: every sleep, garbage write and other client's reload the
+        # walk makes happens behind the workers' kept copies (docs/delta.md).
+        mp = VLLMMultiprocEngine(mp_llm, transport=GlooTransport(delta=True))
         stack.callback(mp.close)
         stack.enter_context(T.serving(server))
         srv = VLLMServerEngine(server.url, transport="tmpfs")
