@@ -493,9 +493,7 @@ class LLMControl(Control):
         self, prompts: list[list[int]], max_tokens: int, lora: str | None
     ) -> list[tuple[list[int], list[float]]]:
         with self._answering():
-            return greedy_generate(
-                self.llm, prompts, max_tokens, held_lora(self._loras, lora)
-            )
+            return greedy_generate(self.llm, prompts, max_tokens, held_lora(self._loras, lora))
 
     def score(
         self, prompts: list[list[int]], top_k: int, lora: str | None
