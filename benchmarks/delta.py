@@ -81,12 +81,9 @@ class Trainer:
 
 
 def _row(label: str, sync: Any, trainer: Trainer, engine: Any, runs: int) -> dict:
-    from weightsync.verify import check_engine
+    from .measure import verified_row
 
-    from .measure import timed_runs
-
-    row = {"sync": label, **timed_runs(Stepped(sync, trainer.step), trainer.model, engine, runs)}
-    check_engine(trainer.model, engine, strategy="FullSync")  # raises unless the trainer's
+    row = verified_row(label, Stepped(sync, trainer.step), trainer.model, engine, runs)
     wire = getattr(getattr(engine, "transport", None), "last_sync", None)
     row["wire_bytes"] = wire.wire_bytes if wire is not None else row["bytes"]
     print(

@@ -128,3 +128,13 @@ def timed_runs(sync: Any, model: Any, engine: Any, runs: int) -> dict[str, Any]:
         "max_s": max(seconds),
         "bytes": reports[-1].bytes,
     }
+
+
+def verified_row(label: str, sync: Any, model: Any, engine: Any, runs: int) -> dict[str, Any]:
+    """`timed_runs` under ``label``, then the engine checked against the trainer (raises unless
+    it serves ``model``): a row whose seconds came from syncs that were right."""
+    from weightsync.verify import check_engine
+
+    row = {"sync": label, **timed_runs(sync, model, engine, runs)}
+    check_engine(model, engine, strategy="FullSync")
+    return row

@@ -30,12 +30,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def _row(label: str, sync, model, engine, runs: int) -> dict:
-    from weightsync.verify import check_engine
+    from .measure import verified_row
 
-    from .measure import timed_runs
-
-    row = {"sync": label, **timed_runs(sync, model, engine, runs)}
-    check_engine(model, engine, strategy="FullSync")  # raises unless the trainer's
+    row = verified_row(label, sync, model, engine, runs)
     print(
         f"| {label} | {row['median_s']:.3f} ({row['min_s']:.3f}-{row['max_s']:.3f}) "
         f"| {row['bytes'] / 1e9:.2f} GB |",
