@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import (
@@ -41,6 +42,7 @@ import ray
 
 from weightsync.integrations.ray import (
     LOAD_OBJECTS,
+    AsyncWeightsyncActor,
     RayObjectStoreTransport,
     RayVLLMEngine,
     WeightsyncActor,
@@ -270,6 +272,107 @@ def test_deltas_through_the_object_store(actors, monkeypatch):
     finally:
         ours.close()
         theirs.close()
+
+
+# --- an AsyncLLM in an async actor --------------------------------------------------------------
+
+
+def _async_actor_class():
+    """An async framework's actor (SkyRL's, verl's agent loop's layout): an ``AsyncLLM``, its
+    engine core in a process of its own, and the weightsync mixin for async actors."""
+
+    class AsyncRollout(AsyncWeightsyncActor):
+        def __init__(self, checkpoint: str) -> None:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            from weightsync import testing as T
+            from weightsync.engines import WORKER_EXTENSION
+
+            options = T.engine_options(
+                checkpoint, enable_lora=True, worker_extension_cls=WORKER_EXTENSION
+            )
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**options))
+            self.weightsync_attach(self.engine)
+
+        async def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list]:
+            """The framework's own generation: greedy tokens and vLLM's weight-version spans."""
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            last = None
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt), params, f"r-{time.monotonic_ns()}"
+            ):
+                last = out
+            assert last is not None
+            spans = [(v.version, v.start, v.end) for v in last.outputs[0].weight_versions or []]
+            return list(last.outputs[0].token_ids), spans
+
+        def pids(self) -> list[int]:
+            """This process, then the processes the AsyncLLM started."""
+            me = psutil.Process()
+            return [me.pid, *(c.pid for c in me.children(recursive=True))]
+
+        def shutdown(self) -> None:
+            self.engine.shutdown()
+
+    return AsyncRollout
+
+
+@pytest.fixture(scope="module")
+def async_actor(cluster, checkpoint):
+    """The async actor on the second node; its AsyncLLM shut down and every process it started
+    stopped by PID at the end."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes, pids = cluster
+    cls = ray.remote(num_cpus=0, max_restarts=0)(_async_actor_class())
+    where = NodeAffinitySchedulingStrategy(nodes[1], soft=False)
+    handle = cls.options(scheduling_strategy=where).remote(checkpoint)
+    started = ray.get(handle.pids.remote(), timeout=600)
+    pids.append(started[0])
+    yield handle
+    try:
+        ray.get(handle.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(handle)
+        procs = [psutil.Process(pid) for pid in started if psutil.pid_exists(pid)]
+        _, alive = psutil.wait_procs(procs, timeout=T.stretched(10))
+        for proc in alive:
+            proc.kill()
+        psutil.wait_procs(alive, timeout=10)
+
+
+def test_an_asyncllm_in_an_async_actor(async_actor):
+    """The decision table through an ``AsyncLLM`` inside an async actor on the other node: its
+    control calls run on the actor's event loop, its bytes come through the object store and
+    reach its engine core (another process) through a RAM folder on that node; the version
+    the engine reports labels the framework's own generations."""
+    engine = RayVLLMEngine(async_actor, timeout_s=300)
+    try:
+        assert engine.facts.attests and engine.serves_lora and engine.facts.world_size == 1
+        sync_and_check(FullSync(), full_model(ARCH, seed=71), engine)
+        syncer = Syncer(engine, train_type="lora")
+        model = lora_model(ARCH, seed=72)
+        chosen = []
+        for step, level in enumerate([0, 0, 2, 1]):
+            T.perturb(model, seed=720 + step, scale=0.3)
+            enter_sleep(engine, level)
+            report = sync_and_check(syncer, model, engine)
+            assert report.weights_version == engine.weights_version is not None
+            chosen.append(report.strategy)
+        assert chosen == [
+            "FullSync(lora=separate)",
+            "AdapterSync",
+            "FullSync(lora=separate)",
+            "AdapterSync",
+        ]
+        tokens, spans = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)
+        assert len(tokens) == 4 and spans and spans[-1][0] == engine.written_version
+    finally:
+        engine.close()
 
 
 # --- failures: a deadline, a dead actor ----------------------------------------------------

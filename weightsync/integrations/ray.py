@@ -3,17 +3,21 @@
 Both halves live here, like vLLM's own ``vllm/distributed/weight_transfer/`` backends:
 
 - **engine side**, inside the framework's actor: `WeightsyncActor`, a mixin the actor class
-  inherits. The actor creates its ``vllm.LLM`` with weightsync's worker extension and the engine
-  core in its own process (`actor_llm` does both), and calls ``self.weightsync_attach(llm)``.
-  The mixin adds one actor method, ``weightsync_call``, through which the trainer reaches the
-  engine; the actor's own methods (its ``generate``) are untouched.
+  inherits. The actor creates its ``vllm.LLM`` with weightsync's worker extension (best with the
+  engine core in its own process: `actor_llm` does both), and calls
+  ``self.weightsync_attach(llm)``. The mixin adds one actor method, ``weightsync_call``,
+  through which the trainer reaches the engine; the actor's own methods (its ``generate``) are
+  untouched. An async actor holding an ``AsyncLLM`` inherits `AsyncWeightsyncActor` instead:
+  its ``weightsync_call`` is a coroutine, the engine driven by `AsyncLLMControl` on the
+  actor's event loop.
 - **trainer side**: `RayVLLMEngine(actor)`, an `Engine` over the actor's handle, which
   ``Syncer``, ``policy``, every strategy and ``Replicas`` take like any engine (``adapt`` takes
   the raw handle too once this module is imported).
 
 Where the cut is, and why. `RayVLLMEngine` *is* `RemoteVLLMEngine` (``engines/vllm/remote.py``)
 with two new halves: `RayControl`, which forwards each `Control` call to the actor (where an
-`LLMControl` makes it on the actor's ``LLM``), and `RayObjectStoreTransport` for the bytes.
+`LLMControl`, or an `AsyncLLMControl`, makes it on the actor's engine), and
+`RayObjectStoreTransport` for the bytes.
 Everything that makes a sync exact is then the code every out-of-process engine already runs:
 the facts and the epoch come from the workers (``weightsync_facts``, ``weightsync_attest``: the
 worker ledger, ``in_engine/ledger.py``), not from anything kept on the trainer's side; writes
@@ -28,9 +32,11 @@ actor, which `actor_llm` sets): the worker then lives in the process that reads 
 store, so the bytes go from Ray's shared memory straight into vLLM's parameters, by reference
 through ``collective_rpc(model_ops.reload, ...)`` -- no second hop through tmpfs or vLLM's
 message queue. The actor is busy while its ``LLM`` generates anyway (a synchronous ``LLM``), and
-Ray runs one actor call at a time, so no request is in flight while the trainer writes. The cost:
-one worker per actor (tensor parallel size 1); `WeightsyncActor.weightsync_attach` refuses a
-multiprocess engine core, naming this.
+Ray runs one actor call at a time, so no request is in flight while the trainer writes. An
+engine whose workers run in other processes (tensor parallel, a multiprocess engine core, every
+``AsyncLLM``) gets the same checked buckets through one more hop on the actor's own node: a
+`TmpfsTransport` from the actor to its workers (a fresh RAM folder per sync, tagged anew,
+removed after it); the object store still carries every byte between nodes.
 
 Bytes: through Ray's object store, nothing of weightsync's own between nodes. Each bucket is
 packed once into a safetensors payload (``wire.format.pack``, the one writer), tagged
@@ -63,6 +69,7 @@ cluster can call the actor. The tags make sure the bytes loaded are those the ca
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -77,10 +84,11 @@ import torch
 
 from .. import timing
 from ..engines.base import register
+from ..engines.vllm.asyncllm import AsyncLLMControl
 from ..engines.vllm.control import WORKER_EXTENSION, Control, LLMControl
 from ..engines.vllm.in_engine import model_ops
 from ..engines.vllm.remote import RemoteVLLMEngine
-from ..engines.vllm.transports import Rpc, Transport
+from ..engines.vllm.transports import Rpc, TmpfsTransport, Transport
 from ..errors import BytesRejectedError, EngineUnavailableError
 from ..plan import Bucket
 from ..wire import format as fmt
@@ -92,6 +100,7 @@ from ..wire.tags import Signer, check
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AsyncWeightsyncActor",
     "RayControl",
     "RayObjectStoreTransport",
     "RayVLLMEngine",
@@ -125,6 +134,7 @@ _CONTROL_CALLS = frozenset(
         "is_sleeping",
         "sleep",
         "wake_up",
+        "label",
     }
 )
 
@@ -133,8 +143,9 @@ _CONTROL_CALLS = frozenset(
 
 
 def actor_llm(model: str, **options: Any) -> Any:
-    """A ``vllm.LLM`` for a Ray actor that `WeightsyncActor` can serve: weightsync's worker
-    extension, and the engine core in this process (see the module docstring for why).
+    """A ``vllm.LLM`` for a Ray actor that `WeightsyncActor` serves by reference: weightsync's
+    worker extension, and the engine core in this process (see the module docstring for why;
+    engines whose workers are other processes are served through a RAM folder instead).
 
     Raises:
         RuntimeError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than ``0``.
@@ -150,56 +161,62 @@ def actor_llm(model: str, **options: Any) -> Any:
     return LLM(model=model, worker_extension_cls=WORKER_EXTENSION, **options)
 
 
-class WeightsyncActor:
-    """Mixin for a Ray actor class holding a ``vllm.LLM``: the engine side of `RayVLLMEngine`.
+class _EngineSide:
+    """What both mixins share: the engine the actor attached, its `Control`, and the byte calls
+    of `RayObjectStoreTransport` (see `WeightsyncActor`)."""
 
-    ::
-
-        @ray.remote
-        class Rollout(WeightsyncActor):
-            def __init__(self, checkpoint):
-                self.llm = actor_llm(checkpoint, enable_lora=True)
-                self.weightsync_attach(self.llm)
-
-            def generate(self, prompts, params): ...
-
-    Only ``weightsync_call`` is an actor method the trainer uses; it answers `Control` calls
-    through an `LLMControl` on the ``LLM``, and the calls of `RayObjectStoreTransport` (load
-    buckets, receive an adapter, drop the adapter folders) itself.
-    """
-
-    _weightsync_control: LLMControl | None = None
+    _weightsync_engine: Any = None
+    _weightsync_control: Control | None = None
+    #: The engine's one worker runs in this process: the bytes go to it by reference.
+    _weightsync_by_reference = False
+    _weightsync_hop: TmpfsTransport | None = None
     _weightsync_adapters: Path | None = None
     _weightsync_copies: LoadedCopies | None = None
 
-    def weightsync_attach(self, llm: Any) -> None:
-        """Serve ``llm`` (created with weightsync's worker extension, engine core in process).
+    def weightsync_attach(self, engine: Any) -> None:
+        """Serve ``engine``, created with weightsync's worker extension: a ``vllm.LLM`` (any
+        tensor parallel size), or, in an `AsyncWeightsyncActor`, an ``AsyncLLM``.
 
         Raises:
-            ValueError: the ``LLM`` runs its engine core in another process.
+            TypeError: ``engine`` is neither.
+            ValueError: an ``AsyncLLM`` in an actor whose ``weightsync_call`` is synchronous
+                (its control calls must run on the actor's event loop).
         """
+        from vllm import LLM
+        from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.core_client import InprocClient
 
-        if not isinstance(llm.llm_engine.engine_core, InprocClient):
-            raise ValueError(
-                "this LLM runs its engine core in another process: a Ray actor synced by "
-                "weightsync holds it in process (create it with weightsync.integrations.ray."
-                "actor_llm, or VLLM_ENABLE_V1_MULTIPROCESSING=0 in the actor's environment)"
+        self._weightsync_engine = engine
+        if isinstance(engine, AsyncLLM):
+            if not isinstance(self, AsyncWeightsyncActor):
+                raise ValueError(
+                    "an AsyncLLM runs on the actor's event loop: the actor class inherits "
+                    "weightsync.integrations.ray.AsyncWeightsyncActor, not WeightsyncActor"
+                )
+            return  # its control is made on the actor's loop, at the first call
+        if not isinstance(engine, LLM):
+            raise TypeError(
+                f"weightsync_attach takes a vllm.LLM or an AsyncLLM, got {type(engine).__name__}"
             )
-        self._weightsync_control = LLMControl(llm)
+        world = engine.llm_engine.vllm_config.parallel_config.world_size
+        self._weightsync_by_reference = (
+            isinstance(engine.llm_engine.engine_core, InprocClient) and world == 1
+        )
+        self._weightsync_control = LLMControl(engine)
 
-    def weightsync_call(self, call: str, *args: Any) -> Any:
+    def _weightsync_serve(self, call: str, *args: Any) -> Any:
         """One `Control` call (``call`` names the method), or a byte call of the transport
-        (``rpc`` with `LOAD_OBJECTS`, `RECEIVE_ADAPTER` or `DROP_ADAPTERS`)."""
+        (``rpc`` with `LOAD_OBJECTS`, `RECEIVE_ADAPTER`, `DROP_ADAPTERS`, `DELTA_STATE` or
+        `DELTA_DROP`)."""
         control = self._weightsync_control
         if control is None:
-            raise RuntimeError("the actor has not called weightsync_attach(llm) yet")
+            raise RuntimeError("the actor has not called weightsync_attach(engine) yet")
         if call not in _CONTROL_CALLS:
             raise ValueError(f"weightsync_call: unknown call {call!r}")
         if call == "rpc":
             method, kwargs = args[0], args[1] or {}
             if method == LOAD_OBJECTS:
-                return [self._weightsync_load(**kwargs).to_json()]
+                return [o.to_json() for o in self._weightsync_load(**kwargs)]
             if method == RECEIVE_ADAPTER:
                 return [self._weightsync_adapter(**kwargs).to_json()]
             if method == DROP_ADAPTERS:
@@ -213,6 +230,9 @@ class WeightsyncActor:
             if method == DELTA_DROP:
                 self._weightsync_copies = None
                 return [Outcome().to_json()]
+        if call == "label":  # only an AsyncLLM labels its outputs with a weight version
+            label = getattr(control, "label", None)
+            return None if label is None else label(*args)
         return getattr(control, call)(*args)
 
     def _weightsync_payloads(
@@ -260,11 +280,10 @@ class WeightsyncActor:
         tags: list[str] | None = None,
         deltas: list[bool] | None = None,
         delta: str = "",
-    ) -> Outcome:
-        """Load the buckets the trainer put in the object store (`RayObjectStoreTransport`);
-        ``delta``: the id the sync leaves in the kept copies (``wire.delta``), which any failure
-        drops."""
-        assert self._weightsync_control is not None
+    ) -> list[Outcome]:
+        """Load the buckets the trainer put in the object store (`RayObjectStoreTransport`),
+        every one checked first; the workers' outcomes. ``delta``: the id the sync leaves in
+        the kept copies (``wire.delta``), which any failure drops."""
         copies = None
         if delta:
             copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
@@ -274,17 +293,41 @@ class WeightsyncActor:
         except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
             if copies is not None:
                 copies.clear()
-            return Outcome.failed(e)
-        llm = self._weightsync_control.llm
-        outcome: Outcome = llm.collective_rpc(
-            model_ops.reload, kwargs={"weights": _views(payloads)}
-        )[0]
+            return [Outcome.failed(e)]
+        if self._weightsync_by_reference:
+            engine = self._weightsync_engine
+            outcomes: list[Outcome] = engine.collective_rpc(
+                model_ops.reload, kwargs={"weights": _views(payloads)}
+            )
+        else:
+            outcomes = self._weightsync_hand_over(payloads)
         if copies is not None:
-            if outcome.ok:
+            if all(o.ok for o in outcomes):
                 copies.commit(delta, len(payloads))
             else:
                 copies.clear()
-        return outcome
+        return outcomes
+
+    def _weightsync_hand_over(self, payloads: list[Any]) -> list[Outcome]:
+        """Load checked buckets into workers in other processes (a multiprocess engine core,
+        tensor parallel workers, an ``AsyncLLM``): files in a RAM folder on this node
+        (`TmpfsTransport`, a fresh folder per sync, removed after it), tagged anew for the
+        workers, which check them before loading any."""
+        assert self._weightsync_control is not None
+        control = self._weightsync_control
+        if self._weightsync_hop is None:
+            self._weightsync_hop = TmpfsTransport(keep=False)
+        outcomes: list[Outcome] = []
+
+        def rpc(method: str, kwargs: dict[str, Any]) -> list[Outcome]:
+            outcomes[:] = [Outcome.from_json(r) for r in control.rpc(method, kwargs)]
+            return outcomes
+
+        try:
+            self._weightsync_hop.send(rpc, [list(_views([p])) for p in payloads])
+        except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
+            return outcomes if outcomes and not all(o.ok for o in outcomes) else [Outcome.failed(e)]
+        return outcomes
 
     def _weightsync_adapter(
         self, ref: Any, version: int, config: str, key: str = "", tag: str = ""
@@ -313,6 +356,64 @@ def _views(payloads: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             pairs = list(fmt.views(payload))
         yield from pairs
+
+
+class WeightsyncActor(_EngineSide):
+    """Mixin for a Ray actor class holding a ``vllm.LLM``: the engine side of `RayVLLMEngine`.
+
+    ::
+
+        @ray.remote
+        class Rollout(WeightsyncActor):
+            def __init__(self, checkpoint):
+                self.llm = actor_llm(checkpoint, enable_lora=True)
+                self.weightsync_attach(self.llm)
+
+            def generate(self, prompts, params): ...
+
+    Only ``weightsync_call`` is an actor method the trainer uses; it answers `Control` calls
+    through an `LLMControl` on the ``LLM``, and the calls of `RayObjectStoreTransport` (load
+    buckets, receive an adapter, drop the adapter folders) itself. With the engine core in this
+    process (`actor_llm`) the bytes reach the worker by reference; otherwise (tensor parallel)
+    through a RAM folder on this node.
+    """
+
+    def weightsync_call(self, call: str, *args: Any) -> Any:
+        """One call of the trainer's `RayControl` (see `_EngineSide`)."""
+        return self._weightsync_serve(call, *args)
+
+
+class AsyncWeightsyncActor(_EngineSide):
+    """Mixin for an async Ray actor holding a vLLM ``AsyncLLM`` (SkyRL's, verl's agent loop's
+    layout): the engine side of `RayVLLMEngine`.
+
+    ::
+
+        @ray.remote
+        class Rollout(AsyncWeightsyncActor):
+            def __init__(self, checkpoint):
+                args = AsyncEngineArgs(checkpoint, worker_extension_cls=WORKER_EXTENSION)
+                self.engine = AsyncLLM.from_engine_args(args)
+                self.weightsync_attach(self.engine)
+
+            async def generate(self, prompt, params, request_id): ...
+
+    ``weightsync_call`` is a coroutine, so Ray runs the actor's calls on one event loop, the
+    ``AsyncLLM``'s: each call runs in a worker thread (a sync is long and blocking: the
+    buckets are fetched from the store, checked and written to a RAM folder there) and the
+    ``AsyncLLM`` calls it makes are scheduled back onto the loop (`AsyncLLMControl`), so the
+    framework's generations go on while a sync runs, until the write pauses them with
+    ``mode="keep"`` (requests frozen, recomputed under the new weights after it). Each write
+    also labels vLLM's weight version, so every ``RequestOutput`` says which weights produced
+    which tokens (``engines/vllm/asyncllm.py``).
+    """
+
+    async def weightsync_call(self, call: str, *args: Any) -> Any:
+        """One call of the trainer's `RayControl`, in a worker thread (see the class)."""
+        if self._weightsync_control is None and self._weightsync_engine is not None:
+            control = AsyncLLMControl(self._weightsync_engine, loop=asyncio.get_running_loop())
+            self._weightsync_control = control
+        return await asyncio.to_thread(self._weightsync_serve, call, *args)
 
 
 # --- trainer side -------------------------------------------------------------------------------
@@ -393,6 +494,11 @@ class RayControl(Control):
 
     def wake_up(self, tags: list[str] | None) -> None:
         self.call("wake_up", tags)
+
+    def label(self, version: str) -> None:
+        """Give an ``AsyncLLM`` in the actor ``version`` as vLLM's weight-version label of
+        the tokens generated next (`AsyncLLMControl.label`); an ``LLM`` has none."""
+        self.call("label", version)
 
 
 class RayObjectStoreTransport(Transport):
@@ -513,6 +619,7 @@ class RayVLLMEngine(RemoteVLLMEngine):
     """
 
     name = "vllm-ray"
+    control: RayControl
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
@@ -536,3 +643,9 @@ class RayVLLMEngine(RemoteVLLMEngine):
 
     def describe(self) -> str:
         return f"{super().describe()} in {self.control!r} (bytes: {self.transport.name})"
+
+    def _written(self, version: str | None) -> None:
+        """Label the outputs of an ``AsyncLLM`` in the actor with the version the write left,
+        before it resumes (as `AsyncLLMEngine` does in process)."""
+        if version is not None:
+            self.control.label(version)
