@@ -1,13 +1,15 @@
 """SkyRL's actor layout, synced by weightsync: a runnable mimic (SkyRL is not installed).
 
-SkyRL (``skyrl_train/inference_engines/``) runs several vLLM engines, each in a Ray actor
-behind a ``RayWrappedInferenceEngine``, and hands the trainer one ``InferenceEngineClient`` over
+SkyRL (``skyrl_train/inference_engines/``) runs several vLLM engines, each an ``AsyncLLM`` in an
+async Ray actor behind a ``RayWrappedInferenceEngine``, and hands the trainer one ``InferenceEngineClient`` over
 all of them: it routes generation requests across the engines and fans every control call out
 to each (``wake_up``, ``sleep``, ``update_named_weights``). The trainer's
 ``sync_policy_weights_to_inference_engines`` pushes the policy's weights (or its LoRA adapter)
 through that client; with ``colocate_all`` the engines sleep while the policy trains.
 
-Here the same shape, the push handed to weightsync: the client's ``update_weights`` calls
+Here the same shape, the push handed to weightsync: each engine actor inherits
+`AsyncWeightsyncActor` (its ``AsyncLLM``'s engine core a process of its own, the actor's
+methods coroutines on one event loop), and the client's ``update_weights`` calls
 ``Syncer.sync`` on `Replicas` of `RayVLLMEngine` over every engine's handle (every engine's
 checks pass before any is written, each tensor produced once) and checks the promise on every
 engine. The engines serve the trainer's LoRA adapter and sleep at level 1: the first push sends
@@ -31,24 +33,37 @@ from torch import nn
 from weightsync import Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas
-from weightsync.integrations.ray import RayVLLMEngine, WeightsyncActor, actor_llm
+from weightsync.integrations.ray import AsyncWeightsyncActor, RayVLLMEngine
 
 
-class VLLMInferenceEngine(WeightsyncActor):
-    """One engine actor (what ``RayWrappedInferenceEngine`` wraps), with weightsync's mixin."""
+class AsyncVLLMInferenceEngine(AsyncWeightsyncActor):
+    """One engine actor (what ``RayWrappedInferenceEngine`` wraps): an ``AsyncLLM``, with
+    weightsync's mixin for async actors."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        self.llm = actor_llm(**options)
-        self.weightsync_attach(self.llm)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.llm.wake_up(tags=tags)
+        from weightsync.engines import WORKER_EXTENSION
 
-    def sleep(self, level: int) -> None:
-        self.llm.sleep(level=level)
+        args = AsyncEngineArgs(**options, worker_extension_cls=WORKER_EXTENSION)
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.weightsync_attach(self.engine)
 
-    def generate(self, prompt: list[int], lora: str | None) -> list[int]:
-        return list(self.weightsync_call("generate", [prompt], 8, lora)[0][0])
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine.wake_up(tags=tags)
+
+    async def sleep(self, level: int) -> None:
+        await self.engine.sleep(level=level)
+
+    async def generate(self, prompt: list[int], lora: str | None) -> list[int]:
+        """Greedy tokens of ``prompt`` (with the adapter loaded under ``lora``), through the
+        mixin's control, which keeps the ``LoRARequest`` of the synced adapter."""
+        return list((await self.weightsync_call("generate", [prompt], 8, lora))[0][0])
+
+    def shutdown(self) -> None:
+        """Stop the AsyncLLM's engine core (a process of its own) before the actor goes."""
+        self.engine.shutdown()
 
 
 class InferenceEngineClient:
@@ -89,7 +104,7 @@ def main(*, steps: int = 3, engines: int = 2) -> list[str]:
     base = T.tiny_model("qwen2")
     with tempfile.TemporaryDirectory(prefix="weightsync-skyrl-") as folder:
         options = T.engine_options(T.save_checkpoint(base, folder), enable_lora=True)
-        actor = ray.remote(num_cpus=0)(VLLMInferenceEngine)
+        actor = ray.remote(num_cpus=0)(AsyncVLLMInferenceEngine)
         handles = [actor.remote(options) for _ in range(engines)]
         try:
             client = InferenceEngineClient(handles)
@@ -105,6 +120,7 @@ def main(*, steps: int = 3, engines: int = 2) -> list[str]:
                 print(f"step {step}: {chosen[-1]}, rollouts {rollouts[0]}")
             client.close()
         finally:
+            ray.get([handle.shutdown.remote() for handle in handles], timeout=120)
             for handle in handles:
                 ray.kill(handle)
     return chosen

@@ -169,7 +169,6 @@ class _EngineSide:
     _weightsync_control: Control | None = None
     #: The engine's one worker runs in this process: the bytes go to it by reference.
     _weightsync_by_reference = False
-    _weightsync_hop: TmpfsTransport | None = None
     _weightsync_adapters: Path | None = None
     _weightsync_copies: LoadedCopies | None = None
 
@@ -315,18 +314,19 @@ class _EngineSide:
         workers, which check them before loading any."""
         assert self._weightsync_control is not None
         control = self._weightsync_control
-        if self._weightsync_hop is None:
-            self._weightsync_hop = TmpfsTransport(keep=False)
         outcomes: list[Outcome] = []
 
         def rpc(method: str, kwargs: dict[str, Any]) -> list[Outcome]:
             outcomes[:] = [Outcome.from_json(r) for r in control.rpc(method, kwargs)]
             return outcomes
 
+        hop = TmpfsTransport(keep=False)
         try:
-            self._weightsync_hop.send(rpc, [list(_views([p])) for p in payloads])
+            hop.send(rpc, [list(_views([p])) for p in payloads])
         except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
             return outcomes if outcomes and not all(o.ok for o in outcomes) else [Outcome.failed(e)]
+        finally:
+            hop.close()  # nothing of the sync stays in RAM on this node
         return outcomes
 
     def _weightsync_adapter(
