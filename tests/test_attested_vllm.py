@@ -217,6 +217,35 @@ def test_a_sleep_between_plan_and_write_refuses_the_skip(llms, engine):
     T.assert_matches(model, engine, atol=ATOL)
 
 
+def test_the_in_process_version_is_the_workers_own(llms, lora_engine, tmp_path):
+    """The in-process engine's version comes from its worker's ledger (issue 16 part 3): a sync
+    moves it and its report carries it; reading it or generating leaves it; an adapter
+    replaced in memory under the id it had (weightsync's AdapterSync) moves it, and so does
+    another client's in-place ``add_lora`` under that id, which no id listing would show."""
+    from vllm.lora.request import LoRARequest
+
+    syncer = Syncer(lora_engine, train_type="lora")
+    model = get_peft_model(T.tiny_model("qwen2"), LoraConfig(**LORA))
+    T.perturb(model, seed=81, scale=0.3)
+    before = lora_engine.weights_version
+    assert before is not None
+    base = syncer.sync(model)
+    assert base.weights_version == lora_engine.weights_version != before
+    lora_engine.greedy_batch(T.PROMPTS, 4)
+    assert lora_engine.weights_version == base.weights_version
+    T.perturb(model, seed=82, scale=0.3)
+    adapter = syncer.sync(model)
+    assert adapter.strategy == "AdapterSync"
+    assert adapter.weights_version == lora_engine.weights_version != base.weights_version
+    served = lora_engine.lora_request
+    model.save_pretrained(tmp_path / "theirs")  # another client's adapter, same name and id
+    theirs = LoRARequest(
+        served.lora_name, served.lora_int_id, str(tmp_path / "theirs"), load_inplace=True
+    )
+    assert llms["lora"].llm_engine.add_lora(theirs)
+    assert lora_engine.weights_version != adapter.weights_version
+
+
 def test_print_plan_says_why_each_group_is_unchanged(engine):
     model = frozen_embeddings()
     FullSync().sync(model, engine)

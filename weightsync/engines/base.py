@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
 import torch
@@ -43,11 +43,14 @@ class Attestation:
         harm: the worst that happened to the base since the last completed base restore:
             0 nothing, 1 level-1 sleeps only (weights kept), 2 the weights may be lost or
             replaced (a level-2 sleep, a write by anyone, a restart, or unknown).
+        adapters: the adapter writes the engine counted (loads and in-place replacements, by
+            anyone); part of the engine's version, not of the base's record.
     """
 
     epoch: Hashable | None
     asleep: frozenset[str]
     harm: int
+    adapters: int = 0
 
 
 class Engine(ABC):
@@ -266,7 +269,7 @@ class Engine(ABC):
         completed base restore, as the engine reports them *now* (never a cached picture),
         with what the trainer side knows on top (reported sleeps, failed writes)."""
         a = self._attest(self._restored_at)
-        return Attestation(a.epoch, a.asleep, max(a.harm, self._known_harm))
+        return replace(a, harm=max(a.harm, self._known_harm))
 
     @property
     def asleep(self) -> frozenset[str]:

@@ -166,6 +166,7 @@ class Replicas(Engine):
             epoch=None if None in epochs else epochs,
             asleep=frozenset().union(*(a.asleep for a in each)),
             harm=max(a.harm for a in each),
+            adapters=sum(a.adapters for a in each),
         )
 
     def check_writable(self, *, restores_base: bool, strategy: str) -> Attestation:

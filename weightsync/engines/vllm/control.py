@@ -11,6 +11,7 @@ and the multiprocess engine use, made on vLLM's ``LLMEngine``.
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator
@@ -140,7 +141,38 @@ def attestation(reports: list[dict[str, Any]]) -> Attestation:
         epoch=tuple((r["boot"], int(r["epoch"])) for r in reports),
         asleep=frozenset(tag for r in reports for tag in r["asleep"]),
         harm=max(int(r["harm"]) for r in reports),
+        adapters=sum(int(r.get("adapters", 0)) for r in reports),
     )
+
+
+def version_label(
+    epoch: Hashable | None, adapter_ids: Iterable[int] = (), adapter_writes: int = 0
+) -> str | None:
+    """A compact string of an attested vLLM epoch (one ``(boot, epoch)`` per worker rank), the
+    adapter ids the workers hold and the adapter writes they counted:
+    ``"<boot[:12]>:<epoch>[,...][+lora<id>[.<id>...]][/a<writes>]"``; None without an epoch
+    (an engine that cannot attest one). The writes make an adapter replaced under the id it
+    had (in place, by anyone) a new version."""
+    if epoch is None:
+        return None
+    label = ",".join(f"{boot[:12]}:{n}" for boot, n in cast("tuple", epoch))
+    ids = sorted(set(adapter_ids))
+    if ids:
+        label += f"+lora{'.'.join(map(str, ids))}"
+    return f"{label}/a{adapter_writes}" if adapter_writes else label
+
+
+def adapter_ids(answers: list[Any]) -> set[int]:
+    """The adapter ids in the workers' answers to vLLM's ``list_loras`` (one per rank): a set
+    in process, a list after msgpack, and a string (``"{3}"``, ``"set()"``) through a server's
+    ``/collective_rpc``, which stringifies any answer that is not a dict or a list."""
+    ids: set[int] = set()
+    for answer in answers:
+        if isinstance(answer, str):
+            ids.update(int(n) for n in re.findall(r"\d+", answer))
+        else:
+            ids.update(int(n) for n in answer)
+    return ids
 
 
 def since_arg(epoch: Hashable | None) -> list[list[Any]] | None:

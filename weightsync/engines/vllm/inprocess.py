@@ -46,7 +46,14 @@ from ...wire import format as fmt
 from ...wire.protocol import EngineFacts, Outcome
 from ...wire.scratch import scratch_dir
 from ..base import Attestation, Engine, register
-from .control import attestation, greedy_generate, score_prompts, since_arg
+from .control import (
+    adapter_ids,
+    attestation,
+    greedy_generate,
+    score_prompts,
+    since_arg,
+    version_label,
+)
 from .in_engine import checkpoint as ckpt
 from .in_engine import ledger, model_ops
 
@@ -365,6 +372,16 @@ class VLLMEngine(Engine):
         return greedy_generate(self.llm_engine, prompts, max_tokens, self.lora_request)
 
     # --- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def weights_version(self) -> str | None:
+        """The version of the weights the engine serves now, from its worker's ledger: the
+        epoch, the adapter ids vLLM holds and the adapter writes the worker counted (an adapter
+        is replaced in memory under one id here, so the ids alone would not move); equal
+        versions, the same weights. Asked anew at every read."""
+        now = self.attest()
+        ids = adapter_ids(self._executor.collective_rpc("list_loras")) if self.serves_lora else ()
+        return version_label(now.epoch, ids, now.adapters)
 
     def _attest(self, since: Hashable | None) -> Attestation:
         # Straight to the executor, as LLM.collective_rpc would (in process), so that tests

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -49,32 +48,16 @@ from ...wire.scratch import private_dir, scratch_dir
 from ...wire.tags import Signer
 from ..base import Attestation, Engine, register
 from . import stock
-from .control import WORKER_EXTENSION, Control, LLMControl, attestation, since_arg
+from .control import (
+    WORKER_EXTENSION,
+    Control,
+    LLMControl,
+    adapter_ids,
+    attestation,
+    since_arg,
+    version_label,
+)
 from .transports import TmpfsTransport, Transport, make_transport
-
-
-def version_label(epoch: Hashable | None, adapter_ids: Iterable[int] = ()) -> str | None:
-    """A compact string of an attested vLLM epoch (one ``(boot, epoch)`` per worker rank) and
-    the adapter ids the workers hold: ``"<boot[:12]>:<epoch>[,...][+lora<id>[.<id>...]]"``;
-    None without an epoch (an engine that cannot attest one)."""
-    if epoch is None:
-        return None
-    label = ",".join(f"{boot[:12]}:{n}" for boot, n in cast("tuple", epoch))
-    ids = sorted(set(adapter_ids))
-    return f"{label}+lora{'.'.join(map(str, ids))}" if ids else label
-
-
-def adapter_ids(answers: list[Any]) -> set[int]:
-    """The adapter ids in the workers' answers to vLLM's ``list_loras`` (one per rank): a set
-    in process, a list after msgpack, and a string (``"{3}"``, ``"set()"``) through a server's
-    ``/collective_rpc``, which stringifies any answer that is not a dict or a list."""
-    ids: set[int] = set()
-    for answer in answers:
-        if isinstance(answer, str):
-            ids.update(int(n) for n in re.findall(r"\d+", answer))
-        else:
-            ids.update(int(n) for n in answer)
-    return ids
 
 
 class RemoteVLLMEngine(Engine):
@@ -194,9 +177,9 @@ class RemoteVLLMEngine(Engine):
         ``list_loras`` on every worker: the engine's listing, not this adapter's record)."""
         if self.stock:
             return None
-        epoch = self.attest().epoch
+        now = self.attest()
         ids = adapter_ids(self.control.rpc("list_loras")) if self.serves_lora else set()
-        return version_label(epoch, ids)
+        return version_label(now.epoch, ids, now.adapters)
 
     def _written(self, version: str | None) -> None:
         """Called at the end of every completed write, while the engine is still paused, with

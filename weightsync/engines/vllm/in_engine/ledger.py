@@ -12,6 +12,11 @@ itself. Every call through which vLLM changes or may lose the weights advances t
   ``load_model``, the weight-transfer API's ``update_weights`` / ``finish_weight_update``, the
   model's own ``load_weights``), by anyone -- weightsync's own writes included.
 
+Adapters do no harm to the base and leave the epoch alone, but each worker counts the adapter
+writes it sees (vLLM's ``add_lora``, by anyone -- a re-add with ``load_inplace=True`` replaces
+an adapter under the id it had -- and weightsync's in-memory installs, `note_adapter`): the
+engine's version (``weights_version``) moves with every adapter write, not only with the ids.
+
 The trainer reads the epoch after each write it completes (`attest`); later it asks for the
 harm *since* that epoch. A restarted engine has a new ``boot`` id, and a log that no longer
 reaches back that far counts as harm 2: what cannot be shown to be intact is assumed lost.
@@ -47,11 +52,12 @@ _WORKER_METHODS = {
 
 
 class Ledger:
-    """One worker's epoch, log of (epoch, harm) and sleeping tags."""
+    """One worker's epoch, log of (epoch, harm), sleeping tags and adapter writes."""
 
     def __init__(self, asleep: bool) -> None:
         self.boot = uuid.uuid4().hex
         self.epoch = 0
+        self.adapters = 0
         self.log: deque[tuple[int, int]] = deque(maxlen=LOG_SIZE)
         self.asleep: set[str] = set()
         if asleep:  # slept before anyone watched: the level is unknown
@@ -63,8 +69,8 @@ class Ledger:
         self.log.append((self.epoch, harm))
 
     def report(self, since: list[Any] | None) -> dict[str, Any]:
-        """This worker's boot, epoch, sleeping tags, and the worst harm logged after epoch
-        ``since`` (``[boot, epoch]``; None: since the ledger was installed)."""
+        """This worker's boot, epoch, sleeping tags, adapter writes, and the worst harm logged
+        after epoch ``since`` (``[boot, epoch]``; None: since the ledger was installed)."""
         if since is None:
             harm = max((h for _, h in self.log), default=0)
         elif since[0] != self.boot:
@@ -73,7 +79,13 @@ class Ledger:
             harm = 2  # the log no longer reaches back to it
         else:
             harm = max((h for e, h in self.log if e > int(since[1])), default=0)
-        return {"boot": self.boot, "epoch": self.epoch, "asleep": sorted(self.asleep), "harm": harm}
+        return {
+            "boot": self.boot,
+            "epoch": self.epoch,
+            "asleep": sorted(self.asleep),
+            "harm": harm,
+            "adapters": self.adapters,
+        }
 
 
 def worker_of(obj: Any) -> Any:
@@ -126,6 +138,17 @@ def _install(worker: Any, asleep: bool) -> Ledger:
             ledger.asleep -= set(tags) if tags else set(ledger.asleep)
 
     worker.sleep, worker.wake_up = recorded_sleep, recorded_wake_up
+    add_lora = getattr(worker, "add_lora", None)
+    if add_lora is not None:
+
+        @functools.wraps(add_lora)
+        def counted_add_lora(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return add_lora(*args, **kwargs)
+            finally:  # a load that failed part-way may have replaced the adapter too
+                ledger.adapters += 1
+
+        worker.add_lora = counted_add_lora
     for owner in (worker, getattr(worker, "model_runner", None)):
         if owner is not None:
             for method, harm in _WORKER_METHODS.items():
@@ -135,6 +158,16 @@ def _install(worker: Any, asleep: bool) -> Ledger:
     return ledger
 
 
+def _ledger(worker: Any, asleep: bool) -> Ledger:
+    ledger = getattr(worker, "_weightsync_ledger", None)
+    return ledger if ledger is not None else _install(worker, asleep)
+
+
+def note_adapter(obj: Any) -> None:
+    """Count an adapter write made without ``add_lora`` (weightsync's in-memory install)."""
+    _ledger(worker_of(obj), asleep=False).adapters += 1
+
+
 def attest(obj: Any, since: list[list[Any]] | None = None, asleep: bool = False) -> dict[str, Any]:
     """What this worker attests about its weights (see `Ledger.report`), installing the
     ledger on first use (``asleep``: the engine is asleep now, as its executor says).
@@ -142,9 +175,7 @@ def attest(obj: Any, since: list[list[Any]] | None = None, asleep: bool = False)
     A ``collective_rpc`` target: ``since`` holds one ``[boot, epoch]`` per worker rank, or
     None. The worker extension exposes it as ``weightsync_attest``."""
     worker = worker_of(obj)
-    ledger = getattr(worker, "_weightsync_ledger", None)
-    if ledger is None:
-        ledger = _install(worker, asleep)
+    ledger = _ledger(worker, asleep)
     rank = int(getattr(worker, "rank", 0) or 0)
     mine = since[rank] if since is not None and rank < len(since) else None
     return ledger.report(mine)

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from . import ledger
+
 MEMORY_ROOT = "/weightsync-in-memory"
 
 
@@ -199,4 +201,5 @@ def install_adapter(
             inner.remove_oldest_adapter()
         inner.add_adapter(lora)
         inner.activate_adapter(lora_int_id)
+    ledger.note_adapter(worker)
     return True
