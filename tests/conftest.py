@@ -291,6 +291,17 @@ def bad_stream(model, engine, kind: str) -> Iterator[list[tuple[str, torch.Tenso
     yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
 
 
+def sparse_step(model, seed: int) -> None:
+    """A step that changes 1% of every weight's elements (a float32 engine would see every
+    element of a real AdamW step change; test_delta_vllm.py runs that on bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            where = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 100)]
+            flat[where] += 0.5 * torch.randn(len(where), generator=gen)
+
+
 def forge_deltas(monkeypatch) -> None:
     """From now on (until ``monkeypatch.undo()``) every delta the trainer encodes has its last
     changed word flipped: a delta altered on the way, which the whole bucket's tag must refuse."""

@@ -9,11 +9,11 @@ every process it started is stopped by PID at the end (`weightsync.testing.multi
 from __future__ import annotations
 
 import pytest
-from conftest import ATOL, discard, full_model, lora_model
+from conftest import ATOL, discard, full_model, lora_model, sparse_step, sync_and_check
 
 from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
-from weightsync.engines import VLLMMultiprocEngine, adapt
+from weightsync.engines import GlooTransport, VLLMMultiprocEngine, adapt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,7 +28,11 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(llm):
-    made = {t: VLLMMultiprocEngine(llm, transport=t) for t in ("tmpfs", "gloo")}
+    """One engine per transport; gloo sends deltas (each of the two workers keeps its copy)."""
+    made = {
+        "tmpfs": VLLMMultiprocEngine(llm, transport="tmpfs"),
+        "gloo": VLLMMultiprocEngine(llm, transport=GlooTransport(delta=True)),
+    }
     yield made
     for e in made.values():
         e.close()
@@ -58,6 +62,20 @@ def test_full_merged_served_and_adapter_only(engines, transport):
         assert stale["engine"] != stale["trainer"], f"{strategy.label}: engine already matched"
         strategy.sync(trained, engine)
         T.assert_matches(trained, engine, atol=ATOL)
+
+
+def test_deltas_reach_both_tensor_parallel_workers(engines):
+    """After a sparse step only the changed words go over gloo; both workers patch their own
+    copy and check the whole bucket's tag, and the engine serves the trainer exactly."""
+    engine = engines["gloo"]
+    sync = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
+    model = full_model("qwen2", seed=71)
+    sync_and_check(sync, model, engine)
+    sparse_step(model, seed=72)
+    sync_and_check(sync, model, engine)
+    count = engine.transport.last_sync
+    assert count.full_buckets == 0 and count.delta_buckets > 2, count
+    assert count.wire_bytes <= 0.10 * count.bucket_bytes, count
 
 
 def test_a_framework_sleep_already_over_is_seen(llm, engines):

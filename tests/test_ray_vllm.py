@@ -23,6 +23,7 @@ from conftest import (
     full_model,
     lora_model,
     one_per_bucket,
+    sparse_step,
     sync_and_check,
 )
 
@@ -214,17 +215,6 @@ def test_lora_served(engines):
 
 
 # --- only the changed bytes (wire.delta) ------------------------------------------------------
-
-
-def sparse_step(model, seed: int) -> None:
-    """A step that changes 1% of every weight's elements (the float32 engine here would see
-    every element of a real AdamW step change; test_delta_vllm.py runs that on bf16)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.view(-1)
-            where = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 100)]
-            flat[where] += 0.5 * torch.randn(len(where), generator=gen)
 
 
 def test_deltas_through_the_object_store(actors, monkeypatch):
