@@ -12,8 +12,9 @@ trainer's, and without sleep the engine differed from the trainer before every s
 first (a sync that wrote nothing would fail).
 
 Tiny random models, tied Qwen2 (a stale ``lm_head`` would show) and untied Llama, a tokenizer
-trained here and a local dataset: nothing from a hub. Each run trains 2 steps; the runs are few because each
-starts swift, torch and vLLM afresh.
+trained here and a local dataset: nothing from a hub. Each run trains 2 steps; the runs are
+few because each starts swift, torch and vLLM afresh (the two runs of swift's own sync, without
+weightsync, on demand: `PEER_BUGS`).
 """
 
 from __future__ import annotations
@@ -160,12 +161,22 @@ RUNS: dict[str, tuple[tuple[str, ...], dict]] = {
     "full_tied_sleep2": ((*FULL, "--sleep_level", "2"), {}),
     "lora_merged": ((*LORA, "--sleep_level", "0"), {"arch": "llama"}),
     "lora_served_sleep1": ((*LORA, *SERVED, "--sleep_level", "1"), {}),
-    "swift_own_tied": ((*FULL, "--sleep_level", "0"), {"callbacks": ["probe"]}),
-    "swift_own_lora_served": (
-        (*LORA, *SERVED, "--sleep_level", "0"),
-        {"arch": "llama", "callbacks": ["probe"]},
-    ),
 }
+#: swift's own sync, without weightsync: the two bugs the integration exists for, shown on this
+#: trainer. Two more runs (about two minutes of this 2-core machine, where CI's budget is 30),
+#: so they run on demand: ``WEIGHTSYNC_PEER_BUGS=1 bash .ci/env pytest -q tests/test_swift.py``.
+PEER_BUGS = os.environ.get("WEIGHTSYNC_PEER_BUGS") == "1"
+if PEER_BUGS:
+    RUNS |= {
+        "swift_own_tied": ((*FULL, "--sleep_level", "0"), {"callbacks": ["probe"]}),
+        "swift_own_lora_served": (
+            (*LORA, *SERVED, "--sleep_level", "0"),
+            {"arch": "llama", "callbacks": ["probe"]},
+        ),
+    }
+peer_bug = pytest.mark.skipif(
+    not PEER_BUGS, reason="swift's own sync, without weightsync: WEIGHTSYNC_PEER_BUGS=1 runs it"
+)
 #: Runs at once. A run is mostly one process importing swift, torch and vLLM and starting an
 #: engine, which leaves a 2-core machine's second core idle much of the time. Measured on a
 #: loaded machine: the five runs two at once, 157 s; four of them one at a time, ~350 s.
@@ -258,6 +269,7 @@ def test_lora_served_sleep1(runs):
     assert probe["lora_B_scaled"] and set(probe["lora_B_scaled"]) == {1.0}  # the adapter: by value
 
 
+@peer_bug
 def test_swift_own_sync_serves_a_stale_tied_head(runs):
     """The same command without weightsync, on the tied model: swift sends the tied tensor once,
     as the embedding, so from the first optimizer step on the engine serves a head the trainer
@@ -274,6 +286,7 @@ def test_swift_own_sync_serves_a_stale_tied_head(runs):
     assert fixed["engine"] == fixed["trainer"] and fixed["max_logprob_diff"] <= 1e-3
 
 
+@peer_bug
 def test_swift_own_lora_sync_scales_lora_b_and_drifts_the_base(runs):
     """swift's own sync with the adapter served (vllm_enable_lora, no sleep): vLLM scales the
     adapter swift hands it by reference, so every adapter-only sync multiplies the trainer's own
