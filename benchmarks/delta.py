@@ -13,7 +13,12 @@ the last (``verify.check_engine``, bf16 tolerance):
 - in process: `VLLMEngine` in this process (the reference), then released;
 - gloo, full: a multiprocess ``LLM`` (engine core and worker in other processes), every bucket
   broadcast over loopback gloo (``GlooTransport()``);
-- gloo, delta: the same ``LLM``, ``GlooTransport(delta=True)``.
+- gloo, delta: the same ``LLM``, ``GlooTransport(delta=True)``;
+- with ``--ray``: a bf16 ``vllm.LLM`` in a Ray actor on the second node of a two-node Ray
+  cluster on loopback (``ray_cluster``), the bytes through the object store, full
+  (``RayObjectStoreTransport()``) and delta (``RayObjectStoreTransport(delta=True)``). The
+  actor gets as many torch threads as the in-process engine (Ray gives an actor without CPUs
+  one), so the rows compare transports, not thread counts.
 
 Also printed: the fraction of bf16 elements (and bytes) each step changed, and the bytes each
 gloo row put on the wire (``GlooTransport.last_sync``). Everything shares this machine's cores
@@ -29,8 +34,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 from typing import Any
+
+# Before Ray is imported (vLLM imports it too; see ``ray_cluster``): every address on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 class Stepped:
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model", default="0.5b", help="a benchmark shape: 0.5b, tiny")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16, help="tokens in a step's random batch")
+    ap.add_argument("--ray", action="store_true", help="add the Ray object store rows")
     args = ap.parse_args(argv)
 
     import torch
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows.append(_row("in process (VLLMEngine)", sync, trainer, local, args.runs))
     del local
     gc.collect()
+    if args.ray:
+        rows += _ray_rows(spec.checkpoint, sync, trainer, args.runs, kv)
     with T.multiproc_llm(spec.checkpoint, dtype="bfloat16", kv_cache_bytes=kv) as llm:
         for label, delta in (("gloo, full", False), ("gloo, delta", True)):
             engine = VLLMMultiprocEngine(llm, transport=GlooTransport(delta=delta))
@@ -139,10 +151,46 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{len(trainer.changed)} steps; min {min(trainer.changed):.4%}, max "
         f"{max(trainer.changed):.4%})"
     )
-    base, delta_row = rows[0], rows[-1]
-    print(f"# delta sent {delta_row['wire_bytes'] / delta_row['bytes']:.2%} of the bytes")
+    base = rows[0]
+    for row in rows[1:]:
+        if "delta" in row["sync"]:
+            print(f"# {row['sync']} sent {row['wire_bytes'] / row['bytes']:.2%} of the bytes")
     for row in rows[1:]:
         print(f"# {row['sync']}: {row['median_s'] / base['median_s']:.2f}x in process")
+    return rows
+
+
+def _ray_rows(checkpoint: str, sync: Any, trainer: Trainer, runs: int, kv: int) -> list[dict]:
+    """The object store rows: one actor on the second node of a loopback Ray cluster."""
+    import ray
+    import torch
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from weightsync import testing as T
+    from weightsync.integrations.ray import RayObjectStoreTransport, RayVLLMEngine
+
+    from .ray import rollout_class
+
+    weights = sum(p.numel() * 2 for p in trainer.model.parameters())  # bf16 on the wire
+    rows = []
+    with T.ray_cluster(2, object_store_bytes=3 * weights + (512 << 20)) as nodes:
+        threads = {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}
+        cls = ray.remote(num_cpus=0, max_restarts=0, runtime_env=threads)(rollout_class())
+        where = NodeAffinitySchedulingStrategy(nodes[1], soft=False)
+        actor = cls.options(scheduling_strategy=where).remote(checkpoint, "bfloat16", kv)
+        try:
+            for label, delta in (
+                ("Ray, other node, full", False),
+                ("Ray, other node, delta", True),
+            ):
+                transport = RayObjectStoreTransport(delta=delta)
+                engine = RayVLLMEngine(actor, timeout_s=1800, transport=transport)
+                try:
+                    rows.append(_row(label, sync, trainer, engine, runs))
+                finally:
+                    engine.close()
+        finally:
+            ray.kill(actor)
     return rows
 
 

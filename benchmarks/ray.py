@@ -29,6 +29,27 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+def rollout_class() -> type:
+    """The framework's actor: a ``vllm.LLM`` (engine core in the actor) and weightsync's mixin.
+    Made in a function so Ray ships the class by value (the actors need not import this)."""
+    from weightsync.integrations.ray import WeightsyncActor
+
+    class Rollout(WeightsyncActor):
+        def __init__(self, checkpoint: str, dtype: str, kv_cache_bytes: int) -> None:
+            from weightsync import testing as T
+            from weightsync.engines import WORKER_EXTENSION
+
+            self.llm = T.make_llm(
+                checkpoint,
+                dtype=dtype,
+                kv_cache_bytes=kv_cache_bytes,
+                worker_extension_cls=WORKER_EXTENSION,
+            )
+            self.weightsync_attach(self.llm)
+
+    return Rollout
+
+
 def _row(label: str, sync, model, engine, runs: int) -> dict:
     from .measure import verified_row
 
@@ -53,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from weightsync import FullSync
     from weightsync import testing as T
     from weightsync.engines import GlooTransport, Replicas, VLLMEngine
-    from weightsync.integrations.ray import RayVLLMEngine, WeightsyncActor
+    from weightsync.integrations.ray import RayVLLMEngine
 
     from .models import load_trainer, resolve
 
@@ -71,24 +92,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     del local
     gc.collect()
 
-    class Rollout(WeightsyncActor):
-        def __init__(self, checkpoint: str) -> None:
-            from weightsync import testing as T
-            from weightsync.engines import WORKER_EXTENSION
-
-            self.llm = T.make_llm(
-                checkpoint, dtype=dtype, kv_cache_bytes=kv, worker_extension_cls=WORKER_EXTENSION
-            )
-            self.weightsync_attach(self.llm)
-
     # The object store holds one copy of the weights per sync on the trainer's node, and the
     # other node a copy of what it pulled: twice the model and some room.
     store = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (512 << 20)
     with T.ray_cluster(2, object_store_bytes=store) as nodes:
-        cls = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
+        # One torch thread per actor (Ray's default for an actor without CPUs): two actors
+        # with two threads each on these two cores measured slower (docs/ray.md).
+        cls = ray.remote(num_cpus=0, max_restarts=0)(rollout_class())
         actors = [
             cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
-                spec.checkpoint
+                spec.checkpoint, dtype, kv
             )
             for n in nodes
         ]
