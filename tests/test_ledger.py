@@ -4,7 +4,7 @@ test_server_vllm.py and test_multiproc_vllm.py)."""
 
 from __future__ import annotations
 
-from weightsync.engines.vllm.in_engine.ledger import LOG_SIZE, Ledger
+from weightsync.engines.vllm.in_engine.ledger import LOG_SIZE, Ledger, attest, note_adapter
 
 
 def test_harm_since_an_epoch_is_the_worst_logged_after_it():
@@ -12,7 +12,13 @@ def test_harm_since_an_epoch_is_the_worst_logged_after_it():
     assert ledger.report(None)["harm"] == 0
     ledger.record(2)  # a write
     mark = [ledger.boot, ledger.epoch]
-    assert ledger.report(mark) == {"boot": ledger.boot, "epoch": 1, "asleep": [], "harm": 0}
+    assert ledger.report(mark) == {
+        "boot": ledger.boot,
+        "epoch": 1,
+        "asleep": [],
+        "harm": 0,
+        "adapters": 0,
+    }
     ledger.record(1)  # a level-1 sleep and its wake
     ledger.record(1)
     assert ledger.report(mark)["harm"] == 1
@@ -34,3 +40,24 @@ def test_asleep_when_installed_is_an_unknown_level():
     ledger = Ledger(asleep=True)
     report = ledger.report(None)
     assert report["harm"] == 2 and report["asleep"] == ["kv_cache", "weights"]
+
+
+def test_adapter_writes_are_counted_and_leave_the_epoch():
+    """Every ``add_lora`` (by anyone, an in-place re-add too) and weightsync's in-memory
+    installs count as adapter writes; neither moves the epoch nor harms the base."""
+
+    class Worker:  # the worker methods the ledger wraps
+        def sleep(self, level: int = 1) -> None: ...
+
+        def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+        def add_lora(self, request: object) -> bool:
+            return True
+
+    worker = Worker()
+    first = attest(worker)
+    assert first["adapters"] == 0
+    assert worker.add_lora("an adapter") is True
+    note_adapter(worker)
+    now = attest(worker, since=[[first["boot"], first["epoch"]]])
+    assert now["adapters"] == 2 and now["epoch"] == first["epoch"] and now["harm"] == 0
