@@ -173,8 +173,9 @@ class RemoteVLLMEngine(Engine):
         return self._written_version
 
     def _version_now(self) -> str | None:
-        """The workers' epoch and, if LoRA is enabled, the adapter ids they hold (vLLM's own
-        ``list_loras`` on every worker: the engine's listing, not this adapter's record)."""
+        """The workers' epoch, the adapter writes they counted and, if LoRA is enabled, the
+        adapter ids they hold (vLLM's own ``list_loras`` on every worker: the engine's listing,
+        not this adapter's record)."""
         if self.stock:
             return None
         now = self.attest()
