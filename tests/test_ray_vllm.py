@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 from conftest import (
+    ATOL,
     discard,
     enter_sleep,
     forge_deltas,
@@ -34,6 +35,7 @@ from weightsync.errors import BytesRejectedError, EngineUnavailableError, Weight
 from weightsync.strategies import FullSync
 from weightsync.wire import format as fmt
 from weightsync.wire import scratch
+from weightsync.wire.tags import Signer
 
 # Every Ray address on loopback: without this Ray swaps 127.0.0.1 for the host's routable address
 # (``services.resolve_ip_for_localhost``), which this machine does not serve. Ray reads it when
@@ -42,7 +44,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 
 from weightsync.integrations.ray import (
-    LOAD_OBJECTS,
+    BUCKET,
+    END,
+    LOAD_STREAM,
     AsyncWeightsyncActor,
     RayObjectStoreTransport,
     RayVLLMEngine,
@@ -166,15 +170,43 @@ def test_facts_and_epoch_come_from_the_actors_workers(engines, actors):
     assert a.attest().epoch != before and a.sleep_level >= 1
 
 
-def test_a_bucket_altered_in_the_store_is_refused_before_anything_is_written(engines):
+def _stream(engine, entries, key):
+    """Entries put straight into a stream's channel, then the engine's load call on it."""
+    from ray.util.queue import Queue
+
+    channel = Queue(actor_options={"num_cpus": 0})
+    try:
+        for entry in entries:
+            channel.put(entry)
+        engine.rpc(LOAD_STREAM, {"channel": channel, "key": key})
+    finally:
+        channel.shutdown(force=True)
+
+
+def test_a_stream_altered_in_the_store_or_cut_short_is_refused(engines):
+    """A bucket whose bytes are not the trainer's is refused before it is loaded (the first
+    one: before the engine is touched); so is a stream whose end does not carry the trainer's
+    count (an entry dropped, or the end forged)."""
     a = engines[0]
     bucket = [(n, torch.zeros(s)) for n, s in list(a.expected_weights.items())[:2]]
     payload = fmt.pack(bucket).numpy()
     before = a.attest().epoch
-    forged = {"refs": [ray.put(payload)], "key": "00" * 32, "tags": ["0:" + "00" * 16]}
+    forged = [(BUCKET, ray.put(payload), "0:" + "00" * 16, False), (END, 1, "1:" + "00" * 16)]
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
-        a.rpc(LOAD_OBJECTS, forged)
+        _stream(a, forged, "00" * 32)
     assert a.attest().epoch == before  # nothing loaded
+
+    for count, end, refused in [
+        (1, lambda s: "1:" + "00" * 16, "the stream's end: its bytes are not"),  # forged
+        (2, lambda s: s.sign(b"weightsync-end:2"), "ended after 1 of 2 buckets"),  # one dropped
+    ]:
+        signer = Signer()
+        entries = [(BUCKET, ray.put(payload), signer.sign(payload), False)]
+        with pytest.raises(BytesRejectedError, match=refused):
+            _stream(a, [*entries, (END, count, end(signer))], signer.key_hex)
+    model = full_model(ARCH, seed=3)  # the next sync repairs (both: the fan-out's tests follow)
+    FullSync().sync(model, Replicas(engines))
+    T.assert_matches(model, Replicas(engines), atol=ATOL)
 
 
 # --- the decision table, fanned out to both nodes --------------------------------------------
@@ -221,7 +253,8 @@ def test_deltas_through_the_object_store(actors, monkeypatch):
     """``RayObjectStoreTransport(delta=True)``: after a sparse step only the changed words are
     put and the actor serves the trainer exactly; another client's sync in between (its own
     id) makes the next one whole; a forged delta is refused before anything is loaded (the
-    actor checks every bucket first), and the next sync repairs."""
+    actor checks the stream's first piece before it touches the engine), and the next sync
+    repairs."""
     sync = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
     ours, theirs = (
         RayVLLMEngine(

@@ -114,8 +114,8 @@ class Replicas(Engine):
             failed = [f for f in futures if f.done() and f.exception() is not None]
             put(_Abort("another replica failed") if failed else done)
             errors = [e for e in (f.exception() for f in futures) if e is not None]
-        if errors:
-            raise errors[0]
+        if errors:  # the cause, not a replica the fan-out stopped because of it
+            raise min(errors, key=lambda e: isinstance(e, _Abort))
         return sum(f.result() for f in futures)
 
     def check_adapter(self, adapter: Adapter) -> None:

@@ -38,22 +38,31 @@ engine whose workers run in other processes (tensor parallel, a multiprocess eng
 `TmpfsTransport` from the actor to its workers (a fresh RAM folder per sync, tagged anew,
 removed after it); the object store still carries every byte between nodes.
 
-Bytes: through Ray's object store, nothing of weightsync's own between nodes. Each bucket is
-packed once into a safetensors payload (``wire.format.pack``, the one writer), tagged
-(``wire.tags``), and ``ray.put``; the actor gets every payload (on the trainer's node: a
-read-only view of the shared memory, no copy; on another node Ray pulls it into that node's
-store), checks every tag before loading any (a bucket altered in the store refuses the sync with
-nothing loaded, as for files), then streams the tensors as views (``wire.format.views``, the
-one reader) into the layerwise reload. The key travels in the load call's arguments, the
-control path; the tags beside the references. All buckets are put before the load call, so the
-object store holds one copy of the weights during a sync (released when it returns) and a
-failure while producing buckets never reaches the engine. Measured at 0.5B against the gloo
-transport (``docs/ray.md``). Adapters travel the same way and are written to a folder on the
-actor's node (its LoRA loader reads from a folder), the two newest versions kept.
+Bytes: through Ray's object store, nothing of weightsync's own between nodes, streamed. Each
+piece (a strategy's bucket cut into pieces of at most ``piece_bytes``) is packed once into a
+safetensors payload (``wire.format.pack``, the one writer), tagged (``wire.tags``), ``ray.put``,
+and its reference sent through the sync's *channel*, a Ray queue on the trainer's node; the
+actor's load call, started first, takes each reference from the channel and a thread of it
+fetches the payload (on the trainer's node a read-only view of the shared memory, no copy; on
+another node Ray pulls it into that node's store) and checks its tag while the reload loads the
+piece before, then streams the tensors as views (``wire.format.views``, the one reader) into
+vLLM's layerwise reload. So the trainer's packing, Ray's transfer and the actor's reload
+overlap. The key travels in the load call's arguments, the control path; each tag beside its
+reference, its number the piece's place in the stream; the stream's end carries the tagged
+count, so a piece dropped or replayed is refused too. Why a channel: a synchronous actor runs
+one call at a time, so the pieces cannot arrive as calls of their own while the load call
+runs, and splitting the load into calls would let the framework's own calls (a ``generate``)
+run between them, on a half-loaded model; a Ray queue is Ray's own way to hand a running call
+more references. Failure is as for a gloo stream: a piece refused, or a trainer that fails
+producing one (its channel then says so), stops the reload part-way; the worker gives every
+unfinished layer its old tensors back (``model_ops.reload``) and the engine is marked unsynced,
+so only a full sync may follow; the first piece is checked before the engine is touched.
+Adapters travel as one payload and are written to a folder on the actor's node (its LoRA
+loader reads from a folder), the two newest versions kept.
 
 Deltas (``RayObjectStoreTransport(delta=True)``, ``wire.delta``): a bucket whose base the actor
 holds is put as the changed words only; the actor patches its kept copy, checks the whole
-bucket's tag on the result before loading anything, and loads the whole patched bucket. The
+piece's tag on the result before loading it, and loads the whole patched piece. The
 actor keeps its own writable copy of every bucket (the store's buffers are read-only and
 released after the call): one copy of the weights in the actor and one in the trainer between
 syncs, and a full sync copies each bucket once more in the actor.
@@ -70,12 +79,16 @@ cluster can call the actor. The tags make sure the bytes loaded are those the ca
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +102,7 @@ from ..engines.vllm.control import WORKER_EXTENSION, Control, LLMControl
 from ..engines.vllm.in_engine import model_ops
 from ..engines.vllm.remote import RemoteVLLMEngine
 from ..engines.vllm.transports import Rpc, TmpfsTransport, Transport
-from ..errors import BytesRejectedError, EngineUnavailableError
+from ..errors import BytesRejectedError, EngineUnavailableError, WeightSyncError
 from ..plan import Bucket
 from ..wire import format as fmt
 from ..wire import scratch
@@ -111,9 +124,12 @@ __all__ = [
 #: How long one actor call may take by default (a full sync of a large model is one call).
 TIMEOUT_S = 600.0
 
+#: The most bytes of one streamed payload (`RayObjectStoreTransport`'s ``piece_bytes``).
+PIECE_BYTES = 64 << 20
+
 #: The RPC names the actor answers itself (the bytes from the object store); every other name
 #: goes to vLLM's workers through ``collective_rpc``.
-LOAD_OBJECTS = "weightsync_load_objects"
+LOAD_STREAM = "weightsync_load_stream"
 RECEIVE_ADAPTER = "weightsync_receive_object_adapter"
 DROP_ADAPTERS = "weightsync_drop_adapters"
 #: The actor's kept copies for deltas: the id of the sync they come from; drop them.
@@ -205,7 +221,7 @@ class _EngineSide:
 
     def _weightsync_serve(self, call: str, *args: Any) -> Any:
         """One `Control` call (``call`` names the method), or a byte call of the transport
-        (``rpc`` with `LOAD_OBJECTS`, `RECEIVE_ADAPTER`, `DROP_ADAPTERS`, `DELTA_STATE` or
+        (``rpc`` with `LOAD_STREAM`, `RECEIVE_ADAPTER`, `DROP_ADAPTERS`, `DELTA_STATE` or
         `DELTA_DROP`)."""
         control = self._weightsync_control
         if control is None:
@@ -214,7 +230,7 @@ class _EngineSide:
             raise ValueError(f"weightsync_call: unknown call {call!r}")
         if call == "rpc":
             method, kwargs = args[0], args[1] or {}
-            if method == LOAD_OBJECTS:
+            if method == LOAD_STREAM:
                 return [o.to_json() for o in self._weightsync_load(**kwargs)]
             if method == RECEIVE_ADAPTER:
                 return [self._weightsync_adapter(**kwargs).to_json()]
@@ -234,80 +250,43 @@ class _EngineSide:
             return None if label is None else label(*args)
         return getattr(control, call)(*args)
 
-    def _weightsync_payloads(
-        self,
-        refs: list[Any],
-        key: str,
-        tags: list[str],
-        deltas: list[bool] | None = None,
-        copies: LoadedCopies | None = None,
-    ) -> list[Any]:
-        """Every bucket of ``refs``, each checked against its tag (before any is loaded). With
-        ``copies``, each whole bucket is kept (a writable copy of its own) and each of
-        ``deltas`` patches the kept copy at its index, the result checked against the whole
-        bucket's tag."""
-        import ray
-
-        payloads = ray.get(list(refs))
-        deltas = deltas or [False] * len(payloads)
-        if copies is not None and not key:
-            raise BytesRejectedError("deltas need the trainer's tags: nothing was loaded")
-        if key and len(tags) != len(payloads):
-            raise ValueError(f"{len(payloads)} buckets came with {len(tags)} tags")
-        out = []
-        for i, (payload, is_delta) in enumerate(zip(payloads, deltas, strict=True)):
-            what = f"bucket {i} from the object store"
-            if is_delta:
-                if copies is None:
-                    raise BytesRejectedError(f"{what}: a delta, but no copies are kept here")
-                payload = copies.patch(i, Delta.from_bytes(payload))
-                check(key, tags[i], f"{what} (a delta)", payload)
-                copies.loaded(i, tags[i])
-            else:
-                if key:
-                    check(key, tags[i], what, payload)
-                if copies is not None:
-                    payload = np.array(payload, copy=True)  # the store's buffer is read-only
-                    copies.keep(i, payload, tags[i])
-            out.append(payload)
-        return out
-
-    def _weightsync_load(
-        self,
-        refs: list[Any],
-        key: str = "",
-        tags: list[str] | None = None,
-        deltas: list[bool] | None = None,
-        delta: str = "",
-    ) -> list[Outcome]:
-        """Load the buckets the trainer put in the object store (`RayObjectStoreTransport`),
-        every one checked first; the workers' outcomes. ``delta``: the id the sync leaves in
-        the kept copies (``wire.delta``), which any failure drops."""
+    def _weightsync_load(self, channel: Any, key: str = "", delta: str = "") -> list[Outcome]:
+        """Load the buckets the trainer streams through ``channel`` (`RayObjectStoreTransport`),
+        each checked before it is loaded; the workers' outcomes. The first bucket is fetched and
+        checked before the engine is touched, so a stream refused at its start leaves the
+        engine as it was. ``delta``: the id the sync leaves in the kept copies (``wire.delta``),
+        which any failure drops."""
         copies = None
         if delta:
             copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
             copies.begin()
+        incoming = None
         try:
-            payloads = self._weightsync_payloads(refs, key, tags or [], deltas, copies)
+            incoming = _Incoming(channel, key, copies)
+            stream = iter(incoming)
+            head = list(itertools.islice(stream, 1))
         except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
-            if copies is not None:
-                copies.clear()
-            return [Outcome.failed(e)]
-        if self._weightsync_by_reference:
-            engine = self._weightsync_engine
-            outcomes: list[Outcome] = engine.collective_rpc(
-                model_ops.reload, kwargs={"weights": _views(payloads)}
-            )
+            outcomes = [Outcome.failed(e)]
         else:
-            outcomes = self._weightsync_hand_over(payloads)
+            payloads = itertools.chain(head, stream)
+            if self._weightsync_by_reference:
+                engine = self._weightsync_engine
+                outcomes = engine.collective_rpc(
+                    model_ops.reload, kwargs={"weights": _views(payloads)}
+                )
+            else:
+                outcomes = self._weightsync_hand_over(payloads)
+        finally:
+            if incoming is not None:
+                incoming.close()
         if copies is not None:
-            if all(o.ok for o in outcomes):
-                copies.commit(delta, len(payloads))
+            if incoming is not None and all(o.ok for o in outcomes):
+                copies.commit(delta, incoming.count)
             else:
                 copies.clear()
         return outcomes
 
-    def _weightsync_hand_over(self, payloads: list[Any]) -> list[Outcome]:
+    def _weightsync_hand_over(self, payloads: Iterable[Any]) -> list[Outcome]:
         """Load checked buckets into workers in other processes (a multiprocess engine core,
         tensor parallel workers, an ``AsyncLLM``): files in a RAM folder on this node
         (`TmpfsTransport`, a fresh folder per sync, removed after it), tagged anew for the
@@ -322,7 +301,7 @@ class _EngineSide:
 
         hop = TmpfsTransport(keep=False)
         try:
-            hop.send(rpc, [list(_views([p])) for p in payloads])
+            hop.send(rpc, (list(_views([p])) for p in payloads))
         except Exception as e:  # noqa: BLE001 (writing the files or reaching the workers)
             return [Outcome.failed(e)]
         finally:
@@ -334,8 +313,12 @@ class _EngineSide:
     ) -> Outcome:
         """Write an adapter version from the object store to a folder on this node; its path
         is the outcome's value."""
+        import ray
+
         try:
-            (payload,) = self._weightsync_payloads([ref], key, [tag] if key else [])
+            payload = ray.get(ref)
+            if key:
+                check(key, tag, "the adapter from the object store", payload)
             if self._weightsync_adapters is None:
                 self._weightsync_adapters = scratch.scratch_dir(self, "adapters")
             folder = self._weightsync_adapters / f"adapter-v{int(version):06d}"
@@ -347,7 +330,7 @@ class _EngineSide:
         return Outcome(value=str(folder))
 
 
-def _views(payloads: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def _views(payloads: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of every payload as views into the object store's memory. Ray hands the
     payload out read-only; the reload only reads it (it copies into the parameters), so torch's
     warning about a non-writable buffer is silenced here."""
@@ -356,6 +339,108 @@ def _views(payloads: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             pairs = list(fmt.views(payload))
         yield from pairs
+
+
+#: The entries of a sync's stream (`RayObjectStoreTransport` puts them in its channel):
+#: ``(BUCKET, ref, tag, is_delta)``, then ``(END, count, tag)`` or ``(ABORT, why)``.
+BUCKET, END, ABORT = "bucket", "end", "abort"
+
+
+def end_bytes(count: int) -> bytes:
+    """What the tag of a stream's END entry covers: how many buckets came, so a stream cut
+    short (an entry dropped, the END forged) is refused."""
+    return f"weightsync-end:{count}".encode()
+
+
+class _Incoming:
+    """The actor's half of a sync's stream. A thread takes each entry from the trainer's
+    channel, fetches its payload from the object store (from another node Ray pulls it here)
+    while the reload loads the one before, patches the kept copy if it is a delta, and checks
+    it against its tag (its number: the entry's place in the stream); iterating yields the
+    checked payloads in order and raises what the thread raised. At most ``AHEAD`` payloads wait
+    fetched, so the actor's node holds little more than the bucket being loaded."""
+
+    AHEAD = 2
+
+    def __init__(self, channel: Any, key: str, copies: LoadedCopies | None) -> None:
+        if copies is not None and not key:
+            raise BytesRejectedError("deltas need the trainer's tags: nothing was loaded")
+        self.channel, self.key, self.copies = channel, key, copies
+        self.count = 0
+        self._ready: queue.Queue[Any] = queue.Queue(maxsize=self.AHEAD)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fetch, name="weightsync-fetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self._ready.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self.count += 1
+            yield item
+
+    def close(self) -> None:
+        """Stop the thread (the reload may stop before the stream ends)."""
+        self._stop.set()
+        self._thread.join(timeout=TIMEOUT_S)
+
+    def _fetch(self) -> None:
+        try:
+            for payload in self._payloads():
+                self._hand(payload)
+            self._hand(_DONE)
+        except BaseException as e:  # noqa: BLE001 (raised in the reload's thread)
+            self._hand(e)
+
+    def _hand(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _payloads(self) -> Iterator[Any]:
+        import ray
+
+        index = 0
+        while not self._stop.is_set():
+            entry = self.channel.get(timeout=TIMEOUT_S)
+            if entry[0] == ABORT:
+                raise WeightSyncError(f"the trainer stopped the sync part-way: {entry[1]}")
+            if entry[0] == END:
+                if self.key:
+                    check(self.key, entry[2], "the stream's end", end_bytes(entry[1]), expect=index)
+                if entry[1] != index:
+                    raise BytesRejectedError(
+                        f"the stream ended after {index} of {entry[1]} buckets"
+                    )
+                return
+            _, ref, tag, is_delta = entry
+            yield self._checked(index, ray.get(ref, timeout=TIMEOUT_S), tag, is_delta)
+            index += 1
+
+    def _checked(self, index: int, payload: Any, tag: str, is_delta: bool) -> Any:
+        what, copies = f"bucket {index} from the object store", self.copies
+        if is_delta:
+            if copies is None:
+                raise BytesRejectedError(f"{what}: a delta, but no copies are kept here")
+            payload = copies.patch(index, Delta.from_bytes(payload))
+            check(self.key, tag, f"{what} (a delta)", payload, expect=index)
+            copies.loaded(index, tag)
+            return payload
+        if self.key:
+            check(self.key, tag, what, payload, expect=index)
+        if copies is not None:
+            payload = np.array(payload, copy=True)  # the store's buffer is read-only
+            copies.keep(index, payload, tag)
+        return payload
+
+
+_DONE = object()
 
 
 class WeightsyncActor(_EngineSide):
@@ -502,29 +587,40 @@ class RayControl(Control):
 
 
 class RayObjectStoreTransport(Transport):
-    """Buckets through Ray's object store (see the module docstring): packed and tagged here,
-    ``ray.put``, fetched and checked by the actor, loaded from the store's memory.
+    """Buckets through Ray's object store, streamed (see the module docstring): each piece
+    packed and tagged here, ``ray.put``, its reference sent through a channel to the actor's
+    load call, which fetches, checks and loads it while this side packs the next.
 
     Args:
-        tagged: tag every bucket (``wire.tags``); the actor checks them all before loading any.
-        delta: put only the changed words of a bucket whose base the actor holds (see the
+        tagged: tag every piece (``wire.tags``); the actor checks each before loading it, and
+            the stream's end (how many came).
+        delta: put only the changed words of a piece whose base the actor holds (see the
             module docstring and ``wire.delta``); needs ``tagged``.
+        piece_bytes: the most bytes one payload carries (a strategy's bucket is cut into
+            pieces of whole tensors; a larger tensor travels alone): the grain at which
+            packing here, Ray's transfer and the actor's reload overlap.
 
     Raises:
-        ValueError: ``delta`` without ``tagged``.
+        ValueError: ``delta`` without ``tagged``; ``piece_bytes`` not positive.
     """
 
     name = "ray"
 
-    def __init__(self, *, tagged: bool = True, delta: bool = False) -> None:
+    def __init__(
+        self, *, tagged: bool = True, delta: bool = False, piece_bytes: int = PIECE_BYTES
+    ) -> None:
         if delta and not tagged:
             raise ValueError(
                 "RayObjectStoreTransport(delta=True) needs tagged=True: a patched bucket is "
                 "proven byte-identical to the whole one by the whole bucket's tag"
             )
+        if piece_bytes <= 0:
+            raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
         self.tagged = tagged
+        self.piece_bytes = piece_bytes
         self._copies = SentCopies() if delta else None
         self._rpc: Rpc | None = None
+        self._channel: Any = None
 
     @property
     def last_sync(self) -> WireCount | None:
@@ -534,59 +630,95 @@ class RayObjectStoreTransport(Transport):
     def connect(self, rpc: Rpc, world_size: int) -> None:
         self._rpc = rpc
 
-    def _put(self, pairs: fmt.Pairs, signer: Signer | None) -> tuple[Any, str]:
-        import ray
-
-        with timing.span("serialize"):
-            payload = fmt.pack(pairs).numpy()
-            tag = signer.sign(payload) if signer is not None else ""
-            return ray.put(payload), tag
-
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        """Stream the pieces of ``buckets``: the actor's load call starts first (in a thread
+        here) and loads each piece as it comes. A piece the trainer fails to produce, or an
+        actor that stops early, ends the stream with the first error raised here; the actor
+        then abandons its reload as on any failed write (docs/failure-modes.md)."""
         signer = Signer() if self.tagged else None
         copies = self._copies
+        sync_id = ""
         if copies is not None:
-            self._send_deltas(rpc, buckets, copies)
-            return
-        refs, tags = [], []
-        for bucket in buckets:  # a failure here: nothing reached the engine
-            ref, tag = self._put(bucket, signer)
-            refs.append(ref)
-            tags.append(tag)
-        proof = {"key": signer.key_hex, "tags": tags} if signer is not None else {}
-        rpc(LOAD_OBJECTS, {"refs": refs, **proof})
+            sync_id = copies.begin([o.value for o in rpc(DELTA_STATE, {})])
+        try:
+            self._stream(rpc, _pieces(buckets, self.piece_bytes), signer, sync_id)
+        except BaseException:
+            if copies is not None:
+                copies.reset()
+            raise
+        if copies is not None:
+            copies.commit()
 
-    def _send_deltas(self, rpc: Rpc, buckets: Iterable[Bucket], copies: SentCopies) -> None:
-        """Each bucket whole or, when the actor still holds the copies the last successful sync
-        left (it reports their id), as a delta against its copy."""
+    def _stream(
+        self, rpc: Rpc, pieces: Iterable[Bucket], signer: Signer | None, sync_id: str
+    ) -> None:
         import ray
 
-        signer = Signer()
-        reported = [o.value for o in rpc(DELTA_STATE, {})]
-        sync_id = copies.begin(reported)
-        refs, tags, deltas = [], [], []
-        try:
-            for bucket in buckets:  # a failure here: nothing reached the engine
-                with timing.span("serialize"):
-                    payload, tag, delta = copies.next(bucket, signer.sign)
-                    # put copies the payload into the store: the kept one may change after
-                    refs.append(ray.put(payload if delta is None else delta.to_bytes()))
-                    tags.append(tag)
-                    deltas.append(delta is not None)
-            kwargs = {"refs": refs, "key": signer.key_hex, "tags": tags, "deltas": deltas}
-            rpc(LOAD_OBJECTS, kwargs | {"delta": sync_id})
-        except BaseException:
-            copies.reset()
-            raise
-        copies.commit()
+        channel = self._open_channel()
+        start = {"channel": channel, "key": signer.key_hex if signer else "", "delta": sync_id}
+        refs: list[Any] = []  # held until the actor has loaded them
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-ray-load") as pool:
+            loading = pool.submit(rpc, LOAD_STREAM, start)
+            try:
+                for piece in pieces:
+                    if loading.done():
+                        break  # the actor stopped early: its error is raised below
+                    with timing.span("serialize"):
+                        data, tag, is_delta = self._payload(piece, signer)
+                        refs.append(ray.put(data))
+                    _put(channel, (BUCKET, refs[-1], tag, is_delta))
+                else:
+                    end = signer.sign(end_bytes(len(refs))) if signer else ""
+                    _put(channel, (END, len(refs), end))
+            except BaseException as error:
+                self._channel = None  # its leftovers must not meet the next sync
+                try:
+                    _put(channel, (ABORT, f"{type(error).__name__}: {error}"))
+                    loading.exception()  # the actor's reload abandoned; the trainer's error wins
+                finally:
+                    _shut(channel)
+                raise
+            try:
+                loading.result()
+            except BaseException:
+                self._channel = None
+                _shut(channel)
+                raise
+
+    def _payload(self, piece: Bucket, signer: Signer | None) -> tuple[Any, str, bool]:
+        """One piece's payload (or its delta), its tag, whether it is a delta."""
+        if self._copies is not None:
+            assert signer is not None  # checked in __init__
+            payload, tag, delta = self._copies.next(piece, signer.sign)
+            # put copies the payload into the store: the kept one may change after
+            return (payload if delta is None else delta.to_bytes()), tag, delta is not None
+        payload = fmt.pack(piece).numpy()
+        return payload, (signer.sign(payload) if signer is not None else ""), False
+
+    def _open_channel(self) -> Any:
+        """The stream's channel: a Ray queue on this node (an actor of its own, no CPU
+        reserved), made at the first sync and again after a failed one."""
+        if self._channel is None:
+            import ray
+            from ray.util.queue import Queue
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), False)
+            self._channel = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        return self._channel
 
     def put_adapter(
         self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
     ) -> str | None:
         """The adapter through the object store; the actor writes it to a folder on its own
         node (its LoRA loader reads folders) and that path is returned."""
+        import ray
+
         signer = Signer() if self.tagged else None
-        ref, tag = self._put(list(tensors.items()), signer)
+        with timing.span("serialize"):
+            payload = fmt.pack(list(tensors.items())).numpy()
+            tag = signer.sign(payload) if signer is not None else ""
+            ref = ray.put(payload)
         kwargs: dict[str, Any] = {
             "ref": ref,
             "version": version,
@@ -597,12 +729,51 @@ class RayObjectStoreTransport(Transport):
         return str(rpc(RECEIVE_ADAPTER, kwargs)[0].value)
 
     def close(self) -> None:
+        if self._channel is not None:
+            _shut(self._channel)
+            self._channel = None
         if self._copies is not None and self._rpc is not None:
             try:
                 self._rpc(DELTA_DROP, {})  # the actor's copy of the weights
             except Exception:  # closing must not fail on a dead actor
                 logger.warning("weightsync: dropping the actor's kept copies failed", exc_info=True)
             self._copies.reset()
+
+
+def _pieces(buckets: Iterable[Bucket], limit: int) -> Iterator[Bucket]:
+    """Each bucket cut into consecutive pieces of whole tensors, each at most ``limit`` bytes
+    (a larger tensor alone); the same buckets give the same pieces (deltas compare them)."""
+    for bucket in buckets:
+        piece: Bucket = []
+        size = 0
+        for name, tensor in bucket:
+            nbytes = tensor.numel() * tensor.element_size()
+            if piece and size + nbytes > limit:
+                yield piece
+                piece, size = [], 0
+            piece.append((name, tensor))
+            size += nbytes
+        if piece:
+            yield piece
+
+
+def _put(channel: Any, entry: tuple) -> None:
+    """One entry into the stream's channel; a channel gone (its actor died) is a weightsync
+    error."""
+    from ray import exceptions as rex
+
+    try:
+        channel.put(entry)
+    except rex.RayError as err:
+        raise EngineUnavailableError(f"the sync's channel (a Ray queue) is gone: {err}") from err
+
+
+def _shut(channel: Any) -> None:
+    """Stop the channel's actor (closing must not fail: it may be gone already)."""
+    try:
+        channel.shutdown(force=True)
+    except Exception:
+        logger.warning("weightsync: stopping the sync's channel failed", exc_info=True)
 
 
 @register
