@@ -12,6 +12,7 @@ logprobs within 1e-3).
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -21,16 +22,19 @@ from conftest import (
     ATOL,
     bad_stream,
     closed_leaving_nothing,
+    forge_deltas,
     full_model,
     lora_model,
     moe_model,
     one_per_bucket,
+    sparse_step,
     sync_and_check,
 )
 
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import (
+    HTTPControl,
     LLMWeightSyncClient,
     VLLMBackendTransport,
     VLLMMultiprocEngine,
@@ -38,6 +42,7 @@ from weightsync.engines import (
     WeightTransferTransport,
 )
 from weightsync.errors import EngineBrokenError
+from weightsync.wire.protocol import Outcome
 
 ARCH = "qwen2"  # tied embeddings: both names of the shared tensor must reach the engine
 TPS = (1, 2)
@@ -177,6 +182,52 @@ def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
     HTTPVLLMWeightSyncClient(servers[1].url).start_weight_update()  # ... and the trainer died
     FullSync().sync(model, engine)
     T.assert_matches(model, engine, atol=ATOL)
+
+
+@pytest.mark.parametrize("tp", TPS, ids=[f"tp{tp}" for tp in TPS])
+def test_deltas_through_the_weight_transfer_api(servers, tp, monkeypatch):
+    """``WeightTransferTransport(inner="gloo", delta=True)``: after a sparse step only the
+    changed words cross, every worker's backend patches its kept copy (which then holds what
+    a full sync sends) and the server serves the trainer exactly; a forged delta is refused
+    before anything is loaded and the next sync is whole. Last of the module's gloo users: its
+    group replaces theirs in the server's backend."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    url = servers[tp].url
+    transport = WeightTransferTransport(HTTPVLLMWeightSyncClient(url), "gloo", delta=True)
+    engine = VLLMServerEngine(url, transport=transport)
+    sync = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
+    try:
+        model = full_model(ARCH, seed=100 + tp)
+        sync_and_check(sync, model, engine)
+        first = transport.last_sync
+        assert first.delta_buckets == 0 and first.full_buckets > 2, first
+        sparse_step(model, seed=tp)
+        sync_and_check(sync, model, engine)
+        count = transport.last_sync
+        assert count.full_buckets == 0 and count.delta_buckets == first.full_buckets, count
+        assert count.wire_bytes <= 0.10 * count.bucket_bytes, count
+        kept = [o.value for o in engine.rpc("weightsync_delta_digests", {"backend": True})]
+        assert len(kept) == tp and all(k == kept[0] for k in kept)
+        assert set(kept[0]) >= set(engine.expected_weights)
+        state = model.state_dict()  # a full sync sends the trainer's float32 tensors as they are
+        for name, digest in kept[0].items():
+            sent = state[name].detach().contiguous().view(-1).view(torch.uint8).numpy()
+            assert hashlib.sha256(sent).hexdigest() == digest, f"{name}: not what a full sync sends"
+
+        sparse_step(model, seed=10 + tp)
+        serving = engine.greedy_batch(T.PROMPTS, 8)
+        forge_deltas(monkeypatch)
+        with pytest.raises(Exception, match="not the ones the trainer sent"):
+            sync.sync(model, engine)
+        monkeypatch.undo()
+        assert engine.greedy_batch(T.PROMPTS, 8) == serving  # nothing of it was loaded
+        sync_and_check(sync, model, engine)
+        assert transport.last_sync.delta_buckets == 0  # the refusal dropped the copies
+    finally:
+        engine.close()
+    left = HTTPControl(url).rpc("weightsync_delta_state", {"backend": True})
+    assert [Outcome.from_json(r).value for r in left] == [None] * tp  # closing dropped them
 
 
 def trained_moe(seed):

@@ -259,6 +259,8 @@ class UpdateInfo:
         abort: the trainer failed part-way (the reason): abandon this update.
         key: this sync's tag key (``wire.tags``), "" when the trainer sends no tags.
         tags: the tag of each of ``files``, in order (gloo: the tags travel in the stream).
+        delta: gloo: the trainer sends deltas (``wire.delta``) and this is the id the update
+            leaves in the workers' kept copies once it has loaded ("" = no deltas).
     """
 
     folder: str = ""
@@ -267,3 +269,4 @@ class UpdateInfo:
     abort: str = ""
     key: str = ""
     tags: list[str] = field(default_factory=list)
+    delta: str = ""

@@ -385,6 +385,13 @@ class WeightTransferTransport(Transport):
         timeout_s: gloo: how long an operation waits for a peer before failing.
         tagged: tag every bucket (``wire.tags``): the key and a file's tag travel in the
             ``update_weights`` payload, a stream's tags in the stream.
+        delta: gloo: send only the changed words of a bucket whose base every worker's backend
+            holds (``wire.delta``, as `GlooTransport`); needs ``tagged``. The trainer asks the
+            workers for their copies' id through weightsync's worker extension (vLLM's four
+            calls cannot answer), so the engine needs that extension too.
+
+    Raises:
+        ValueError: ``delta`` with ``inner="files"`` or without ``tagged``.
 
     With a server, pass an ``HTTPControl(url, token=...)`` as ``client`` when the server checks
     weightsync's token (vLLM's own HTTP client sends none).
@@ -400,9 +407,18 @@ class WeightTransferTransport(Transport):
         port: int = 0,
         timeout_s: float = 300.0,
         tagged: bool = True,
+        delta: bool = False,
     ) -> None:
         self.client = client
         self.inner = _one_of("inner", inner, ("files", "gloo"))
+        if delta and (inner != "gloo" or not tagged):
+            raise ValueError(
+                "WeightTransferTransport(delta=True) needs inner='gloo' (the workers patch "
+                "their kept copies as the stream arrives) and tagged=True (the whole bucket's "
+                "tag proves a patched bucket byte-identical)"
+            )
+        self._copies = SentCopies() if delta else None
+        self._rpc: Rpc | None = None
         self.name = f"weight-transfer:{inner}"
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.tagged = tagged
@@ -420,8 +436,14 @@ class WeightTransferTransport(Transport):
 
     # --- set-up -------------------------------------------------------------------------------
 
+    @property
+    def last_sync(self) -> WireCount | None:
+        """What the last send put on the wire (delta transports only)."""
+        return None if self._copies is None else self._copies.last
+
     def connect(self, rpc: Rpc, world_size: int) -> None:
         self._world_size = world_size
+        self._rpc = rpc
         if self.inner == "files":
             _call(self.client, "init_weight_transfer_engine", asdict(InitInfo()))
             return
@@ -465,16 +487,29 @@ class WeightTransferTransport(Transport):
             folder = self.root / f"update-{self._updates:06d}"
             folder.mkdir(mode=0o700, parents=True)
         signer = _signer(self.tagged)
+        copies = self._copies
+        delta = ""
+        if copies is not None:  # deltas only if every worker holds the last sync's copies
+            delta = copies.begin(o.value for o in rpc("weightsync_delta_state", {"backend": True}))
         try:
             self._start(rpc)
             if folder is not None:
                 failure = self._stream_files(folder, buckets, signer)
             else:
-                failure = self._stream_gloo(buckets, signer)
+                failure = self._stream_gloo(buckets, signer, delta)
             outcomes = self._finish(folder)
+        except BaseException:
+            if copies is not None:
+                copies.reset()
+            raise
         finally:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+        if copies is not None:
+            if failure is None and all(o.ok for o in outcomes):
+                copies.commit()
+            else:
+                copies.reset()
         if failure is not None:
             raise failure  # the trainer's error is the cause; the workers abandoned the update
         raise_failures(
@@ -521,13 +556,22 @@ class WeightTransferTransport(Transport):
             return error
 
     def _stream_gloo(
-        self, buckets: Iterable[Bucket], signer: Signer | None
+        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
     ) -> BaseException | None:
-        """Broadcast the buckets while the workers receive; returns the trainer-side failure."""
-        update = asdict(UpdateInfo(gloo=True, **_proof(signer)))
+        """Broadcast the buckets (``delta``: as deltas where the workers hold the base)
+        while the workers receive; returns the trainer-side failure."""
+        update = asdict(UpdateInfo(gloo=True, delta=delta, **_proof(signer)))
         received = self._pool.submit(_call, self.client, "update_weights", update)
+        copies = self._copies
+        send_one = _send_timed
+        if copies is not None:
+
+            def send_one(group: Any, bucket: fmt.Pairs, signer: Signer | None) -> None:
+                with timing.span("serialize"):
+                    gloo.send_bucket(group, bucket, signer, copies)
+
         try:
-            gloo.send(self._group, buckets, received, _send_timed, signer)
+            gloo.send(self._group, buckets, received, send_one, signer)
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
             return error
         return None
@@ -556,6 +600,12 @@ class WeightTransferTransport(Transport):
         return gloo.outcomes(gathered)[1:]
 
     def close(self) -> None:
+        if self._copies is not None and self._rpc is not None and self._group is not None:
+            try:
+                self._rpc("weightsync_delta_drop", {"backend": True})  # the workers' copies
+            except Exception:  # closing must not fail on a stopped engine
+                logger.warning("weightsync: weightsync_delta_drop failed", exc_info=True)
+            self._copies.reset()
         if self._group is not None:
             shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
             try:

@@ -36,6 +36,7 @@ import torch
 
 from ....wire import format as fmt
 from ....wire import gloo
+from ....wire.delta import LoadedCopies
 from ....wire.files import check_files
 from ....wire.protocol import InitInfo, Outcome, UpdateInfo
 from .model_ops import abandon_layerwise_reload, has_cpu_moe, repack_cpu_moe
@@ -125,12 +126,17 @@ def _make_engine_class() -> type:
             self._group: Any = None
             self._store: Any = None
             self._group_size = 0
+            #: The bucket bytes of the last update a delta trainer sent (``wire.delta``); the
+            #: worker extension's ``weightsync_delta_state(backend=True)`` reports their id.
+            self.copies: LoadedCopies | None = None
             self._new_round()
 
         def _new_round(self) -> None:
             self._error = ""  # the first failure of this update ("" = none)
             self._folder = ""  # files mode: where the outcome is written
             self._gloo = False  # gloo mode: the outcome is all-gathered at finish
+            self._delta = ""  # the id a delta update leaves in `copies` once loaded
+            self._buckets = 0  # buckets received in this update (gloo)
 
         # -- vLLM's calls ------------------------------------------------------------------
 
@@ -171,7 +177,14 @@ def _make_engine_class() -> type:
             self._gloo = self._gloo or info.gloo
             if info.abort:
                 self._fail(RuntimeError(f"the trainer aborted the update: {info.abort}"))
-            receiver = gloo.Receiver(self._group, info.key) if info.gloo and self._group else None
+            copies = None
+            if info.delta and not self._error:
+                copies = self.copies = self.copies or LoadedCopies()
+                copies.begin()
+                self._delta = info.delta
+            receiver = (
+                gloo.Receiver(self._group, info.key, copies) if info.gloo and self._group else None
+            )
             if info.gloo and receiver is None:
                 self._fail(RuntimeError("no gloo group: init_weight_transfer_engine with a host"))
             if not self._error:
@@ -181,6 +194,7 @@ def _make_engine_class() -> type:
                     self._fail(e)
             if receiver is not None:
                 receiver.drain()  # the trainer's broadcasts complete even after a failure
+                self._buckets += receiver.buckets
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
             receiver = gloo.Receiver(self._group, update_info.key) if update_info.gloo else None
@@ -197,6 +211,8 @@ def _make_engine_class() -> type:
                         repack_cpu_moe(self.model)
                 except Exception as e:  # noqa: BLE001 (reported at finish)
                     self._fail(e)
+            if self._delta and self.copies is not None and not self._error:
+                self.copies.commit(self._delta, self._buckets)
             self._report()
             self._new_round()
 
@@ -225,6 +241,8 @@ def _make_engine_class() -> type:
             """Record the first failure of this update and give every layer the reload left
             unfinished its previous tensors back, so the worker keeps serving."""
             logger.error("weightsync: weight update failed on worker %d: %s", self.rank, error)
+            if self.copies is not None:
+                self.copies.clear()  # in doubt: the next update is sent whole
             if not self._error:
                 self._error = f"{type(error).__name__}: {error}"
             try:

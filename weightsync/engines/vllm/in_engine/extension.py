@@ -181,23 +181,38 @@ class WeightsyncWorker:
             receiver.drain()
         return outcome.to_json()
 
-    def weightsync_delta_state(self) -> dict:
+    def weightsync_delta_state(self, backend: bool = False) -> dict:
         """The id of the sync this worker's kept copies come from (``wire.delta``); None when
-        it keeps none (never sent deltas, restarted, or its last sync failed)."""
-        copies = self._weightsync_copies
+        it keeps none (never sent deltas, restarted, or its last sync failed). ``backend``:
+        the copies of weightsync's weight-transfer backend (``WeightTransferTransport``), not
+        those of ``weightsync_receive_gloo``."""
+        copies = self._weightsync_kept(backend)
         return self._weightsync_outcome(value=None if copies is None else copies.synced)
 
-    def weightsync_delta_digests(self) -> dict:
+    def weightsync_delta_digests(self, backend: bool = False) -> dict:
         """Name -> SHA-256 of every tensor in the kept copies (``LoadedCopies.digests``), so a
         trainer can check them against what a full sync sends."""
-        copies = self._weightsync_copies
+        copies = self._weightsync_kept(backend)
         return self._weightsync_outcome(value={} if copies is None else copies.digests())
 
-    def weightsync_delta_drop(self) -> dict:
+    def weightsync_delta_drop(self, backend: bool = False) -> dict:
         """Drop the kept copies (the trainer's delta transport closed): frees one copy of the
         weights in this worker."""
-        self._weightsync_copies = None
+        if not backend:
+            self._weightsync_copies = None
+        elif (engine := self._weightsync_backend()) is not None:
+            engine.copies = None
         return self._weightsync_outcome()
+
+    def _weightsync_kept(self, backend: bool) -> LoadedCopies | None:
+        if not backend:
+            return self._weightsync_copies
+        return getattr(self._weightsync_backend(), "copies", None)
+
+    def _weightsync_backend(self) -> Any:
+        """vLLM's weight-transfer engine of this worker (weightsync's backend when the engine
+        was started with it), or None."""
+        return getattr(self, "weight_transfer_engine", None)
 
     def weightsync_receive_adapter(self, version: int, config: str, key: str = "") -> dict:
         """Receive an adapter version over the gloo group and write it where this server's
