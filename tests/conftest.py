@@ -318,6 +318,22 @@ def forge_deltas(monkeypatch) -> None:
     monkeypatch.setattr(delta, "encode", forged)
 
 
+def forged_delta_is_refused(sync, model, engine, transport, monkeypatch) -> None:
+    """A sync whose deltas are altered on the way (`forge_deltas`) is refused with nothing of
+    it loaded (``engine`` serves what it served), and the next sync is whole and exact.
+    ``model`` must differ from the engine; ``monkeypatch`` is undone."""
+    from weightsync.errors import BytesRejectedError
+
+    serving = engine.greedy_batch(T.PROMPTS, 8)
+    forge_deltas(monkeypatch)
+    with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
+        sync.sync(model, engine)
+    monkeypatch.undo()
+    assert engine.greedy_batch(T.PROMPTS, 8) == serving  # nothing of it was loaded
+    sync_and_check(sync, model, engine)
+    assert transport.last_sync.delta_buckets == 0  # the refusal dropped the kept copies
+
+
 def folders_left(engines) -> list[Path]:
     """The scratch folders closed engines left behind: each adapter folder, the transport's
     folder, and the folder a server's workers wrote an adapter to (over gloo, the server's)."""

@@ -20,7 +20,7 @@ from conftest import (
     ATOL,
     discard,
     enter_sleep,
-    forge_deltas,
+    forged_delta_is_refused,
     full_model,
     lora_model,
     one_per_bucket,
@@ -284,14 +284,7 @@ def test_deltas_through_the_object_store(actors, monkeypatch):
         assert ours.transport.last_sync.full_buckets == 0
 
         sparse_step(model, seed=4)
-        serving = ours.greedy_batch(T.PROMPTS, 8)
-        forge_deltas(monkeypatch)
-        with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
-            sync.sync(model, ours)
-        monkeypatch.undo()
-        assert ours.greedy_batch(T.PROMPTS, 8) == serving  # nothing of it was loaded
-        sync_and_check(sync, model, ours)
-        assert ours.transport.last_sync.delta_buckets == 0
+        forged_delta_is_refused(sync, model, ours, ours.transport, monkeypatch)
     finally:
         ours.close()
         theirs.close()

@@ -22,7 +22,7 @@ from conftest import (
     ATOL,
     bad_stream,
     closed_leaving_nothing,
-    forge_deltas,
+    forged_delta_is_refused,
     full_model,
     lora_model,
     moe_model,
@@ -216,14 +216,7 @@ def test_deltas_through_the_weight_transfer_api(servers, tp, monkeypatch):
             assert hashlib.sha256(sent).hexdigest() == digest, f"{name}: not what a full sync sends"
 
         sparse_step(model, seed=10 + tp)
-        serving = engine.greedy_batch(T.PROMPTS, 8)
-        forge_deltas(monkeypatch)
-        with pytest.raises(Exception, match="not the ones the trainer sent"):
-            sync.sync(model, engine)
-        monkeypatch.undo()
-        assert engine.greedy_batch(T.PROMPTS, 8) == serving  # nothing of it was loaded
-        sync_and_check(sync, model, engine)
-        assert transport.last_sync.delta_buckets == 0  # the refusal dropped the copies
+        forged_delta_is_refused(sync, model, engine, transport, monkeypatch)
     finally:
         engine.close()
     left = HTTPControl(url).rpc("weightsync_delta_state", {"backend": True})
