@@ -591,6 +591,11 @@ def ray_cluster(
     process connected to it as the driver (on the first node); yields the node ids, first
     node first.
 
+    Ray's workers (every actor) run at the driver's priority, not Ray's default niceness of 15:
+    on a busy 2-core machine an actor at 15 was starved by any process at 0 (a recipe test took
+    309 s instead of 20 beside one busy loop), and in a benchmark the trainer (this driver, at 0)
+    would take the cores from the actor it syncs.
+
     Ray's files (sessions, sockets, spilled objects) go to a fresh folder, removed at the end;
     every process the cluster started (GCS, raylets, workers, actors) is stopped by PID at the
     end, killed if it outlives Ray's own shutdown, and then `RuntimeError` names it.
@@ -627,7 +632,8 @@ def ray_cluster(
     }
     cluster = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        head_args = {**node, "include_dashboard": False, "_system_config": {"worker_niceness": 0}}
+        cluster = Cluster(initialize_head=True, head_node_args=head_args)
         for _ in range(nodes - 1):
             cluster.add_node(**node)
         ray.init(address=cluster.address, log_to_driver=False)
