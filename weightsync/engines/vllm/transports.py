@@ -36,6 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,22 @@ def _serializing() -> Any:
     return timing.span("serialize")
 
 
-def _send_timed(group: Any, bucket: fmt.Pairs, signer: Signer | None) -> None:
+def _send_timed(
+    group: Any, bucket: fmt.Pairs, signer: Signer | None, copies: SentCopies | None = None
+) -> None:
+    """Send one bucket (``copies``: as a delta where the workers hold its base), timed."""
     with timing.span("serialize"):
-        gloo.send_bucket(group, bucket, signer)
+        gloo.send_bucket(group, bucket, signer, copies)
+
+
+def _drop_kept_copies(rpc: Rpc, copies: SentCopies, kwargs: dict[str, Any]) -> None:
+    """A delta transport closes: the workers drop their kept copies (one copy of the weights
+    each), and so does the trainer; a stopped engine does not fail the close."""
+    try:
+        rpc("weightsync_delta_drop", kwargs)
+    except Exception:
+        logger.warning("weightsync: weightsync_delta_drop failed", exc_info=True)
+    copies.reset()
 
 
 def _signer(tagged: bool) -> Signer | None:
@@ -262,16 +276,12 @@ class GlooTransport(Transport):
             gloo.send(self._group, buckets, received, _send_timed, signer)
             return
 
-        def send_one(group: Any, bucket: fmt.Pairs, signer: Signer | None) -> None:
-            with timing.span("serialize"):
-                gloo.send_bucket(group, bucket, signer, copies)
-
         # Deltas only if every worker still holds the copies the last successful sync left.
         reported = [o.value for o in rpc("weightsync_delta_state", {})]
         kwargs = _proof(signer) | {"delta": copies.begin(reported)}
         received = self._pool.submit(rpc, "weightsync_receive_gloo", kwargs)
         try:
-            gloo.send(self._group, buckets, received, send_one, signer)
+            gloo.send(self._group, buckets, received, partial(_send_timed, copies=copies), signer)
         except BaseException:
             copies.reset()
             raise
@@ -292,11 +302,7 @@ class GlooTransport(Transport):
 
     def close(self) -> None:
         if self._copies is not None and self._rpc is not None and self._group is not None:
-            try:
-                self._rpc("weightsync_delta_drop", {})  # the workers' copy of the weights
-            except Exception:  # closing must not fail on a stopped engine
-                logger.warning("weightsync: weightsync_delta_drop failed", exc_info=True)
-            self._copies.reset()
+            _drop_kept_copies(self._rpc, self._copies, {})
         self._group = None
         self._store = None
         self._pool.shutdown(wait=False)
@@ -562,14 +568,7 @@ class WeightTransferTransport(Transport):
         while the workers receive; returns the trainer-side failure."""
         update = asdict(UpdateInfo(gloo=True, delta=delta, **_proof(signer)))
         received = self._pool.submit(_call, self.client, "update_weights", update)
-        copies = self._copies
-        send_one = _send_timed
-        if copies is not None:
-
-            def send_one(group: Any, bucket: fmt.Pairs, signer: Signer | None) -> None:
-                with timing.span("serialize"):
-                    gloo.send_bucket(group, bucket, signer, copies)
-
+        send_one = partial(_send_timed, copies=self._copies)
         try:
             gloo.send(self._group, buckets, received, send_one, signer)
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
@@ -601,11 +600,7 @@ class WeightTransferTransport(Transport):
 
     def close(self) -> None:
         if self._copies is not None and self._rpc is not None and self._group is not None:
-            try:
-                self._rpc("weightsync_delta_drop", {"backend": True})  # the workers' copies
-            except Exception:  # closing must not fail on a stopped engine
-                logger.warning("weightsync: weightsync_delta_drop failed", exc_info=True)
-            self._copies.reset()
+            _drop_kept_copies(self._rpc, self._copies, {"backend": True})
         if self._group is not None:
             shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
             try:
