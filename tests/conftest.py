@@ -155,6 +155,41 @@ def recover(engine: Engine) -> list[str]:
     return done
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engines_end_with_their_module():
+    """Every in-process engine a module starts lives to the module's end, and dies there.
+
+    An in-process vLLM engine tears down vLLM's process-wide parallel state when it is collected
+    (its client's finalizer runs ``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``),
+    whichever engines still use that state. An engine that started and then failed in a test (a
+    W4A16 engine on a CPU whose vLLM build lacks its kernel) is left in a reference cycle
+    through its traceback, and the next engine to start collects it during its own start-up:
+    that engine, and every other engine of the module, then fail with "tensor model parallel
+    group is not initialized", as do the next module's. So the engine clients a module makes
+    are held here until its end, then collected together (vLLM ``gc.freeze()``s what is alive
+    when an engine starts: unfrozen first), before the next module starts its own
+    (tests/test_reliability.py::test_a_failed_engine_breaks_no_other_engine)."""
+    import gc
+
+    from vllm.v1.engine.core_client import InprocClient
+
+    made: list[Any] = []
+    init = InprocClient.__init__
+
+    def held(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    InprocClient.__init__ = held
+    try:
+        yield
+    finally:
+        InprocClient.__init__ = init
+        made.clear()
+        gc.unfreeze()
+        gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _recover_engines(request):
     yield

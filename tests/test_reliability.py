@@ -723,3 +723,75 @@ def test_adapter_sync_after_load_state_dict_assign(lora_engine):
     AdapterSync().sync(model, lora_engine)
     T.assert_matches(model, lora_engine, atol=ATOL)
     T.assert_matches(newer, lora_engine, atol=ATOL)
+
+
+# --- 11. a failed engine breaks no other engine (issue 35) --------------------------------------
+
+#: Two modules of a nested session. The first starts an engine that then fails in its first
+#: forward (as an engine whose kernel this CPU lacks does: W4A16 on AVX2), left in a reference
+#: cycle through its traceback, then starts and uses another engine; the second module starts
+#: its own and collects garbage while it serves.
+FAILED_ENGINE_MODULE = """
+import gc
+
+import pytest
+from vllm import SamplingParams
+from weightsync import testing as T
+from weightsync.engines import VLLMEngine
+
+
+def missing_kernel(*args, **kwargs):
+    raise AttributeError("'_OpNamespace' '_C' object has no attribute 'a_kernel' (injected)")
+
+
+@pytest.fixture
+def failed_engine(tmp_path_factory):
+    llm = T.make_llm(T.save_checkpoint(T.tiny_model(), tmp_path_factory.mktemp("a") / "ck"))
+    llm.apply_model(lambda model: setattr(model, "forward", missing_kernel))
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+
+
+def test_a_failed_engine(failed_engine):
+    pass
+
+
+def test_another_engine_of_the_module_serves(tmp_path_factory):
+    model = T.tiny_model(seed=1)
+    engine = VLLMEngine(T.make_llm(T.save_checkpoint(model, tmp_path_factory.mktemp("b") / "ck")))
+    gc.unfreeze()  # what any engine's shutdown does, here at the worst moment
+    gc.collect()
+    T.assert_matches(model, engine)
+"""
+NEXT_MODULE = """
+import gc
+from weightsync import testing as T
+from weightsync.engines import VLLMEngine
+
+
+def test_an_engine_in_the_next_module_serves(tmp_path_factory):
+    model = T.tiny_model(seed=2)
+    engine = VLLMEngine(T.make_llm(T.save_checkpoint(model, tmp_path_factory.mktemp("c") / "ck")))
+    gc.unfreeze()  # what any engine's shutdown does, here at the worst moment
+    gc.collect()
+    T.assert_matches(model, engine)
+"""
+
+
+def test_a_failed_engine_breaks_no_other_engine(pytester):
+    """In a fresh process running this suite's own conftest: an engine that started and then
+    failed, followed by another engine in the same module and one in the next module, both of
+    which must serve. Without the conftest's hold on every engine to its module's end, the
+    second engine's start-up collected the failed one, whose shutdown tore down vLLM's
+    process-wide parallel state under it ("tensor model parallel group is not initialized")."""
+    from pathlib import Path
+
+    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
+    pytester.makepyfile(test_a=FAILED_ENGINE_MODULE, test_b=NEXT_MODULE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_a_failed_engine ERROR*",
+            "*test_another_engine_of_the_module_serves PASSED*",
+            "*test_an_engine_in_the_next_module_serves PASSED*",
+        ]
+    )
