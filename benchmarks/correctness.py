@@ -4,7 +4,8 @@ fail?
 The statistic of `weightsync.verify.check_engine`: the engine's prompt logprobs (its top-8 and
 the prompt's token) at every position of the canary prompts, against the trainer's; mean and
 largest difference within the dtype's tolerance. A one-step stale tied lm_head fails it
-(docs/failure-modes.md), so a row serving one fails. The memcpy rows are checked by their own
+(docs/failure-modes.md), so a row serving one fails; whether the engine can hold one at all (its
+head a copy of its own, `weightsync.testing.head_is_own_copy`) is recorded with each check. The memcpy rows are checked by their own
 copies (`benchmarks.anchors.MemcpyFloor.exact`).
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from weightsync.testing import head_is_own_copy
 from weightsync.verify import TOLERANCE, TOP_K, canary_prompts, score_diffs
 
 from .rows import Row
@@ -42,7 +44,12 @@ def check(row: Row, engine: Any, trainers: Trainers) -> dict[str, Any]:
         "greedy_tokens_equal": engine.greedy(canary(trainers.vocab_size), GREEDY_TOKENS)[0]
         == trainers.reference_greedy(row),
     }
-    if not out["passed"] and getattr(engine, "shared_weights", None) and hasattr(engine, "llm"):
+    tied = bool(getattr(engine, "shared_weights", None)) and hasattr(engine, "llm")
+    if tied:
+        # Whether a stale head can exist at all on this engine: a CPU backend computes a tied
+        # head from a packed copy on some CPUs and dtypes, from the embedding itself on others.
+        out["tied_head_is_own_copy"] = head_is_own_copy(engine)
+    if not out["passed"] and tied and out["tied_head_is_own_copy"]:
         # Diagnosis only (the row stays failed): with tied embeddings a push that does not
         # carry lm_head leaves vLLM's head stale. Repack it from the embedding, score again.
         refresh_lm_head(engine.llm)

@@ -60,6 +60,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         ok = "yes" if c["passed"] else "**NO**"
         if c.get("diagnosis", {}).get("stale_tied_lm_head"):
             ok += " stale tied lm_head, see Known issues;"
+        elif r["kind"] == "anchor" and c.get("tied_head_is_own_copy") is False:
+            ok += " (this engine's tied head reads the embedding: it cannot go stale here);"
         if "mean_logprob_diff" in c:
             ok += (
                 f" (dlp mean {c['mean_logprob_diff']:.3f}, max {c['max_logprob_diff']:.2f}; "

@@ -134,7 +134,9 @@ def test_json_schema(result):
 def test_correctness_flags(result):
     """Every weightsync row, vLLM's reload and the floor serve exactly the trainer's model. The
     in-place merge anchor pushes the tied embedding once (as ms-swift and TRL do), which leaves
-    vLLM's lm_head one training step stale: the same check must fail it."""
+    vLLM's lm_head one training step stale where the engine's head is a copy of its own: the
+    same check must fail it there, and pass it where the head reads the embedding (bfloat16 on
+    AVX2 CPUs), since nothing is stale then."""
     by = {r["key"]: r for r in result["rows"]}
     for r in result["rows"]:
         assert "error" not in r, r["error"]
@@ -146,7 +148,10 @@ def test_correctness_flags(result):
             c = r["correct"]
             assert c["control_mean_logprob_diff"] > c["tolerance"]["mean"], (r["key"], c)
     stale = by["anchor_inplace_merge"]["correct"]
-    assert not stale["passed"] and stale["diagnosis"]["stale_tied_lm_head"], stale
+    if stale["tied_head_is_own_copy"]:
+        assert not stale["passed"] and stale["diagnosis"]["stale_tied_lm_head"], stale
+    else:
+        assert stale["passed"] and "diagnosis" not in stale, stale
     assert result["correct"]
 
 
