@@ -89,3 +89,9 @@ class NoCheckpointError(WeightSyncError, ValueError):
     ``load_format="dummy"`` (random weights the first sync fills) from a folder without weight
     files, so there is nothing on disk to reload. Send the weights (FullSync) or reload a
     snapshot (``ReloadWeights(snapshot_dir=...)``)."""
+
+
+class EngineCannotRunError(WeightSyncError, RuntimeError):
+    """The engine cannot run what it serves on its own CPU or device: its workers found a
+    quantized layer whose kernel their vLLM build lacks (W4A16's ``cpu_gemm_wna16`` exists only
+    for some CPUs). vLLM started it; its first forward would fail. Nothing was written."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..engines.base import Engine, adapt
-from ..errors import WeightMismatchError
+from ..errors import EngineCannotRunError, WeightMismatchError
 from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
 from ..trainer import quantize
@@ -202,12 +202,20 @@ def quantization_note(engine: Engine) -> tuple[str, ...]:
 
 
 def check_names(tensors: list[Weight], engine: Engine, *, complete: bool) -> None:
-    """Raise `WeightMismatchError` unless ``tensors`` fit what ``engine`` loads.
+    """Raise `WeightMismatchError` unless ``tensors`` fit what ``engine`` loads, and
+    `EngineCannotRunError` if the engine reported it cannot run its quantized layers.
 
     Args:
         complete: the stream claims to be every weight of the engine (a full sync), so a weight
             the engine loads and the stream lacks is an error too.
     """
+    q = engine.facts.quantized
+    if q is not None and q.unrunnable:
+        raise EngineCannotRunError(
+            f"the engine cannot run its quantization ({q}) on its own CPU or device, nothing was "
+            f"written: {q.unrunnable}. vLLM started it, but its first forward would fail the "
+            "same way. Use a scheme this vLLM build has kernels for (docs/quantized.md)."
+        )
     expected = engine.expected_weights
     names = [t.name for t in tensors]
     problems = []

@@ -50,6 +50,9 @@ class Quantization:
         modules: the modules the engine holds quantized, by checkpoint name
             (``model.layers.0.self_attn.q_proj``), as its workers read them from the model vLLM
             built; empty when not known (a stock server).
+        unrunnable: why the engine's workers cannot run its quantized layers (a kernel their
+            CPU build lacks), as a worker found by running one; empty when they can or it is
+            not known.
     """
 
     method: str
@@ -57,6 +60,7 @@ class Quantization:
     config: Mapping[str, Any] = field(default_factory=dict)
     kv_cache: str = "auto"
     modules: tuple[str, ...] = ()
+    unrunnable: str = ""
 
     @classmethod
     def read(
@@ -113,6 +117,8 @@ class EngineFacts:
         checkpoint: the folder the engine was started from, on the engine's host.
         files: the weight files vLLM's loader reads there (empty: none to reload).
         world_size: how many workers the engine has.
+        cpu: on a CPU engine, the instruction set its workers' kernels run on, as torch names it
+            (``"AVX2"``, ``"AVX512"``); empty on a GPU or when not known (a stock server).
     """
 
     dtype: str
@@ -126,6 +132,7 @@ class EngineFacts:
     checkpoint: str = ""
     files: tuple[str, ...] = ()
     world_size: int = 1
+    cpu: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,6 +158,7 @@ class EngineFacts:
             checkpoint=data.get("checkpoint", ""),
             files=tuple(data.get("files", ())),
             world_size=int(data.get("world_size", 1)),
+            cpu=str(data.get("cpu", "")),
         )
 
 

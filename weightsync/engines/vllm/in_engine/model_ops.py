@@ -208,7 +208,38 @@ def quantization(config: Any, model: torch.nn.Module) -> Quantization | None:
         from torchao.core.config import config_to_dict  # type: ignore[import-untyped, unused-ignore]
 
         found = dataclasses.replace(found, config={"torchao": config_to_dict(torchao_config)})
+    if found is not None and found.modules:
+        found = dataclasses.replace(found, unrunnable=kernel_failure(model, model_config.dtype))
     return found
+
+
+@torch.no_grad()
+def kernel_failure(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Why this worker cannot run the model's quantized linear layers ("" if it can): one token
+    through one layer of each quantization method and scheme, as a forward would call it.
+
+    vLLM starts an engine whose scheme needs a kernel its CPU build lacks (W4A16's
+    ``cpu_gemm_wna16`` exists only for some ISAs) and fails at its first forward. A sync into it
+    would write, then leave an engine that cannot generate; asked here once, with the facts,
+    a plan refuses it before any write, naming the kernel."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    tried = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(module, LinearBase) or method is None:
+            continue
+        kind = (type(method), type(getattr(module, "scheme", None)))
+        if type(method).__name__.startswith("Unquantized") or kind in tried:
+            continue
+        tried.add(kind)
+        device = next(module.parameters()).device
+        token = torch.zeros(1, module.input_size_per_partition, dtype=dtype, device=device)
+        try:
+            method.apply(module, token)
+        except (AttributeError, NotImplementedError, RuntimeError) as error:
+            return f"{name.removesuffix('.base_layer')} ({type(method).__name__}): {error}"
+    return ""
 
 
 def quantized_module_names(model: torch.nn.Module) -> tuple[str, ...]:
@@ -331,7 +362,16 @@ def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
         checkpoint=folder,
         files=tuple(files),
         world_size=config.parallel_config.world_size,
+        cpu=cpu_capability(),
     )
+
+
+def cpu_capability() -> str:
+    """The instruction set this worker's CPU kernels run on ("" off a CPU platform): which
+    kernels vLLM-CPU picks, and so how a quantized layer rounds, depends on it."""
+    from vllm.platforms import current_platform
+
+    return torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else ""
 
 
 def checkpoint_twins(files: Iterable[str], tied: Iterable[Iterable[str]]) -> dict[str, list[str]]:
