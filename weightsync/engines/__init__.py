@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from .vllm.transports import GlooTransport as GlooTransport
     from .vllm.transports import LLMWeightSyncClient as LLMWeightSyncClient
     from .vllm.transports import TmpfsTransport as TmpfsTransport
-    from .vllm.transports import VLLMBackendTransport as VLLMBackendTransport
     from .vllm.transports import WeightTransferTransport as WeightTransferTransport
 
 _EXPORTS = {
@@ -48,7 +47,6 @@ _EXPORTS = {
         "GlooTransport",
         "LLMWeightSyncClient",
         "TmpfsTransport",
-        "VLLMBackendTransport",
         "WeightTransferTransport",
     ),
 }

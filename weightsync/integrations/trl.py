@@ -60,10 +60,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..engines.base import Engine
-from ..engines.vllm.in_engine.auth import HEADER as TOKEN_HEADER
-from ..engines.vllm.in_engine.auth import TOKEN_ENV
 from ..engines.vllm.inprocess import VLLMEngine
 from ..engines.vllm.server import VLLMServerEngine
+from ..engines.vllm.server_auth import HEADER as TOKEN_HEADER
+from ..engines.vllm.server_auth import TOKEN_ENV
 from ..engines.vllm.transports import Transport
 from ..state import Syncer
 

@@ -10,7 +10,7 @@ and from vLLM, never from the trainer side. Each module holds both halves of one
 - ``gloo``: buckets broadcast over a gloo process group (trainer rank 0, workers 1..N), framed;
 - ``protocol``: the typed messages: the engine's facts, a worker's outcome, the weight-transfer
   backend's payloads;
-- ``layout``: checkpoint names and shapes, from transformers' own conversion rules (the names
+- ``checkpoint_names``: checkpoint names and shapes, from transformers' own conversion rules (the names
   every byte travels under);
 - ``scratch``: the RAM folders files travel through, swept after a crash.
 """
