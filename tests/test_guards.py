@@ -272,7 +272,7 @@ def _asgi(app, path: str, headers: list[tuple[bytes, bytes]]) -> int:
 
 
 def test_the_middleware_denies_by_default_and_compares_the_token(monkeypatch):
-    from weightsync.engines.vllm.in_engine.auth import HEADER, RequireToken
+    from weightsync.engines.vllm.server_auth import HEADER, RequireToken
 
     token = "t" * 32
     monkeypatch.setenv("WEIGHTSYNC_TOKEN", token)

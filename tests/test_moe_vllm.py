@@ -25,7 +25,7 @@ from weightsync.errors import UnsupportedModelError
 from weightsync.plan import Weight
 from weightsync.trainer.layout import lora_parameters, merged_parameter, to_checkpoint
 from weightsync.trainer.tensors import base_tensors
-from weightsync.wire.layout import Layout, checkpoint_layout
+from weightsync.wire.checkpoint_names import Layout, checkpoint_layout
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 # LoRA on attention and, through peft's target_parameters, on the fused experts themselves

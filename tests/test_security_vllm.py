@@ -222,7 +222,7 @@ def test_a_server_over_the_network_without_a_token_is_refused():
 
 
 def test_the_guard_refuses_to_start_without_a_token(monkeypatch):
-    from weightsync.engines.vllm.in_engine.auth import RequireToken
+    from weightsync.engines.vllm.server_auth import RequireToken
 
     monkeypatch.delenv("WEIGHTSYNC_TOKEN", raising=False)
     with pytest.raises(RuntimeError, match=r"WEIGHTSYNC_TOKEN.*unset"):

@@ -10,7 +10,8 @@ The whole public surface::
 A sync is ``strategy.plan(model, engine)`` (every check, nothing written; ``print(plan)``
 explains it) then its execution; ``strategy.sync`` does both. Importing weightsync does not
 import vLLM, and imports nothing until a name is used (PEP 562): vLLM's workers import the
-worker extension below this package without loading the trainer side.
+worker extension below this package without loading the trainer side. Each folder's docstring
+says what lives there and which process runs it (the tree: docs/architecture.md).
 """
 
 from __future__ import annotations

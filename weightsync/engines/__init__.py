@@ -1,6 +1,7 @@
-"""Engine adapters. ``VLLMEngine`` wraps an in-process ``vllm.LLM`` (or its ``LLMEngine``, or a
-framework's object holding one); another engine is one `Engine` subclass decorated with
-`register`.
+"""Engine adapters, run in the trainer's process (what vLLM loads into its own processes is
+under ``vllm/``: ``in_engine/`` in its workers, ``server_auth.py`` in its API server).
+``VLLMEngine`` wraps an in-process ``vllm.LLM`` (or its ``LLMEngine``, or a framework's object
+holding one); another engine is one `Engine` subclass decorated with `register`.
 
 Importing this package imports nothing until a name is used (PEP 562), and never vLLM: an
 adapter imports it when it is constructed.
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from .vllm.transports import GlooTransport as GlooTransport
     from .vllm.transports import LLMWeightSyncClient as LLMWeightSyncClient
     from .vllm.transports import TmpfsTransport as TmpfsTransport
-    from .vllm.transports import VLLMBackendTransport as VLLMBackendTransport
     from .vllm.transports import WeightTransferTransport as WeightTransferTransport
 
 _EXPORTS = {
@@ -48,7 +48,6 @@ _EXPORTS = {
         "GlooTransport",
         "LLMWeightSyncClient",
         "TmpfsTransport",
-        "VLLMBackendTransport",
         "WeightTransferTransport",
     ),
 }

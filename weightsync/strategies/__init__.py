@@ -1,4 +1,5 @@
-"""The three ways to sync; see each class's docstring for when it is right and what it costs."""
+"""The three ways to sync (trainer process): what each plans and writes. See each class's
+docstring for when it is right and what it costs."""
 
 from .adapter import AdapterSync
 from .base import Strategy, SyncReport

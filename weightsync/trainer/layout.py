@@ -1,6 +1,6 @@
 """From the trainer's in-memory parameters to the checkpoint tensors the engine loads, lazily.
 
-The names and shapes come from ``weightsync.wire.layout`` (transformers' own conversion rules,
+The names and shapes come from ``weightsync.wire.checkpoint_names`` (transformers' own conversion rules,
 which both sides share); this module applies them to the trainer's tensors as the stream reaches
 them (`to_checkpoint`), and merges LoRA on parameters peft wraps directly
 (``LoraConfig(target_parameters=...)``, the way peft adapts fused experts): out of place, in
@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..plan import Weight
-from ..wire.layout import Layout
+from ..wire.checkpoint_names import Layout
 from .gather import full, summed
 
 

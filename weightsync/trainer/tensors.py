@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..plan import Adapter, Weight, itemsize, numel
-from ..wire.layout import checkpoint_layout
+from ..wire.checkpoint_names import checkpoint_layout
 from . import peft_support
 from .gather import full, summed
 from .layout import lora_parameters, merged_parameter, to_checkpoint

@@ -1,4 +1,5 @@
-"""What travels between the trainer and an engine's own processes, imported by both sides.
+"""What travels between the trainer and an engine's own processes: runs on both sides (the
+trainer's process and vLLM's workers).
 
 Code that vLLM loads into its workers (``weightsync/engines/vllm/in_engine/``) imports from here
 and from vLLM, never from the trainer side. Each module holds both halves of one thing:
@@ -10,7 +11,7 @@ and from vLLM, never from the trainer side. Each module holds both halves of one
 - ``gloo``: buckets broadcast over a gloo process group (trainer rank 0, workers 1..N), framed;
 - ``protocol``: the typed messages: the engine's facts, a worker's outcome, the weight-transfer
   backend's payloads;
-- ``layout``: checkpoint names and shapes, from transformers' own conversion rules (the names
-  every byte travels under);
+- ``checkpoint_names``: checkpoint names and shapes, from transformers' own conversion rules
+  (the names every byte travels under);
 - ``scratch``: the RAM folders files travel through, swept after a crash.
 """

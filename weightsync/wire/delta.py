@@ -3,48 +3,19 @@ the worker holds. Both halves, like vLLM's weight-transfer backends: `SentCopies
 trainer (what it last sent to one engine), `LoadedCopies` in each worker (what it last loaded),
 and `Delta`, what travels between them.
 
-Why it pays: between two RL steps most elements of a bf16 engine's weights do not change (fp32
-master weights, AdamW at lr 1e-6, cast to bf16: measured 0.77% of the elements of a 0.5B model
-after one step, 0.62% after the next; docs/delta.md). A cross-host transport then moves a few
-percent of the bytes. It does not pay on tmpfs: the kept files are already shared memory on
-one host, a full sync there is one copy on each side, and a delta would add a compare pass on
-the trainer and a patch pass in the worker to save nothing on the way.
+Why: between two RL steps most elements of a bf16 engine's weights do not change, so a
+cross-host transport moves a few percent of the bytes. It does not pay on tmpfs, where a full
+sync is already one copy on each side of shared memory. The encoding (``Delta``: for each
+changed 16-bit word its gap from the previous one and its new value; long gaps bridged by no-op
+entries, so the format needs no escape) was chosen by measurement. A delta is correct by
+construction: the trainer tags (``wire.tags``) the WHOLE new bucket and the worker checks that
+tag on its patched bytes before loading any of them, and a delta is sent only when every worker
+reports the id of the copies the last successful sync left; any doubt sends the whole bucket.
+The engine loads the whole patched bucket, exactly what a full sync loads. Cost: one copy of the
+weights kept on each side between syncs, plus a compare pass on the trainer.
 
-**Encoding** (chosen by measurement on a 512 MiB bf16 bucket of that step, docs/delta.md): the
-bucket's bytes as 16-bit words (8-bit when it holds a 1-byte dtype), and for each
-changed word the gap to the previous one (uint16) and its new value. 1.5% of the bucket's bytes
-against 2.3% for int32 positions + values and 7.0% for a bitmap + values (whose patch was also
-~10x slower: unpacking the bitmap touches every element); the patch is a cumulative sum and one
-scatter. A gap longer than 65535 words is bridged by a "changed" word at most every 65535 that
-carries its own unchanged value: patching it is a no-op, so the format needs no escape. The
-values are the new words themselves (not XORs): what a bridging entry needs. A delta larger than the bucket is not sent (the full bucket is).
-
-**Correct by construction.** The patched bucket must be byte-identical to the full bucket the
-trainer packed: the trainer tags (``wire.tags``) the FULL new bytes, and the worker checks that
-tag on its patched bytes before anything of them is loaded; a delta applied to any other base
-yields other bytes and is refused (`BytesRejectedError`). Beyond that, nothing is sent as a
-delta unless the trainer knows the worker holds the base it diffed against:
-
-- each worker keeps, per bucket index, its copy and the tag that copy was checked against (the
-  tag is a digest of those bytes under that sync's key: unique per sync and content, and free);
-  every delta names the tag of its base, and a worker whose copy carries another refuses it;
-- the copies as a whole carry an id, fresh (random) per complete successful sync, which the
-  trainer gives; the trainer records it only when every worker reported success, asks the
-  workers for theirs before each send, and sends deltas only when every worker reports that
-  id. Any doubt -- a worker restarted (no id), a failed or aborted sync (ids cleared on both
-  sides), another trainer's delta sync (another id), a different layout at an index (the
-  header differs) -- sends the full bucket, which becomes the new copy.
-
-The engine loads the WHOLE patched bucket, exactly what a full sync loads, so the engine's own
-state -- sleeps, a reload by another client, weights written behind weightsync's back -- does
-not matter for a delta's correctness: only the worker's kept copy does, and only weightsync's
-delta syncs write it.
-
-**Cost**: one copy of the weights kept on each side between syncs (the trainer's packed buckets
-per engine, and each worker's loaded buckets: at TP>1 every worker receives and keeps every
-bucket), plus the compare pass on the trainer.
-
-Like everything in ``wire``, this imports nothing heavy: it runs inside vLLM's workers.
+The design, the rules, the measured encodings and figures: docs/delta.md. Like everything in
+``wire``, this imports nothing heavy: it runs inside vLLM's workers.
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
 """vLLM's ``AsyncLLM`` (``vllm.v1.engine.async_llm.AsyncLLM``) as a weightsync engine.
 
-The design, and why:
+An ``AsyncLLM``'s engine core always runs in its own process, exactly like a multiprocess
+``vllm.LLM``'s, so the engine is `RemoteVLLMEngine` (its writes, recovery, adapter versions,
+attestation and transports; nothing of the write path is written twice) with one more control
+plane, `AsyncLLMControl`, whose calls are the AsyncLLM's coroutines. An ``AsyncLLM`` belongs to
+the event loop it was created on, so every control call is scheduled onto that loop and waited
+for from the calling thread; on the loop's own thread that would deadlock, so it is refused
+(there, ``await syncer.async_sync(model)`` and ``await AsyncLLMEngine.open(async_llm)``). Every
+write keeps the generations in flight (``pause_generation(mode="keep")``, then a prefix-cache
+reset with ``reset_running_requests=True`` so kept requests recompute their KV under the new
+weights), and labels vLLM's ``weight_version`` with the version the write left.
 
-- **An engine in another process, so `RemoteVLLMEngine`.** An ``AsyncLLM``'s engine core always
-  runs in its own process (``AsyncMPClient``, whatever ``VLLM_ENABLE_V1_MULTIPROCESSING`` says),
-  exactly like a multiprocess ``vllm.LLM``'s: tensors cannot go by reference, its workers load
-  weightsync's worker extension (``worker_extension_cls=WORKER_EXTENSION``), and the bytes go
-  through a transport (tmpfs by default). So the engine is `RemoteVLLMEngine` -- its writes,
-  recovery, adapter versions, attestation and transports -- with one new control plane,
-  `AsyncLLMControl`, as `LLMControl` is for a multiprocess ``LLM`` and `HTTPControl` for a
-  server. Nothing of the write path is written twice.
-- **The AsyncLLM's coroutines run on its own event loop.** An ``AsyncLLM`` is bound to the loop
-  it was created (or first used) on: its output handler and its engine-core client's queues
-  live there. weightsync's sync is synchronous (it streams lazily produced buckets), so every
-  control call is scheduled onto that loop with ``asyncio.run_coroutine_threadsafe`` and waited
-  for from the calling thread. That works from any thread but the loop's own: there, waiting
-  would block the very loop that must run the call (a deadlock), so such a call is refused
-  with a clear error instead. From inside the loop, sync with ``await syncer.async_sync(model)``
-  (`weightsync.Syncer.async_sync`), which runs the sync in a worker thread while the loop keeps
-  serving -- both the generations in flight and the sync's own calls; create the adapter with
-  ``await AsyncLLMEngine.open(async_llm)`` (or ``await asyncio.to_thread(Syncer, async_llm,
-  ...)``), since its construction asks the workers for their facts.
-- **Generations in flight are kept.** An async framework generates while it syncs. Every write
-  pauses the engine with ``pause_generation(mode="keep")`` (requests frozen, not aborted),
-  writes, resets the prefix cache with ``reset_running_requests=True`` and resumes. The reset
-  preempts the kept requests, so vLLM recomputes their KV under the new weights before their
-  next token: a kept request's tokens after the sync are exactly what the new weights generate
-  after its prefix (a plain reset would fail silently while any request holds KV blocks and
-  leave the old weights' prefix cache in place).
-- **A version the engine reports** (`weights_version`, from `RemoteVLLMEngine`, as every engine
-  with weightsync's worker extension reports it: the workers' ledger epoch and the adapter ids
-  they hold, nothing counted on the trainer's side). After every write, before resuming, the
-  version the write left (`RemoteVLLMEngine.written_version`) is also given to vLLM as its
-  ``weight_version`` label (``update_weight_version``), so each finished ``RequestOutput`` says
-  which tokens which weights produced (``outputs[0].weight_versions``, spans over token
-  indexes): a request kept across a sync has two spans. The label is set only by weightsync's
-  writes; ``weights_version`` is the truth when someone else changed the engine since.
+Why each of these, and how to use it from an async framework: docs/engines.md, "``AsyncLLM``
+(async RL frameworks)".
 """
 
 from __future__ import annotations

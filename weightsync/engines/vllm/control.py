@@ -19,13 +19,13 @@ from typing import Any, cast
 
 from ...errors import AdapterError, AuthError, EngineUnavailableError
 from ..base import Attestation
-from .in_engine.auth import HEADER as TOKEN_HEADER
+from .server_auth import HEADER as TOKEN_HEADER
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
 
-#: What to pass as ``vllm serve --middleware`` for weightsync's token guard (``in_engine/auth.py``).
-TOKEN_MIDDLEWARE = "weightsync.engines.vllm.in_engine.auth.RequireToken"
+#: What to pass as ``vllm serve --middleware`` for weightsync's token guard (``server_auth.py``).
+TOKEN_MIDDLEWARE = "weightsync.engines.vllm.server_auth.RequireToken"
 
 
 def run_requests(
@@ -239,7 +239,7 @@ class HTTPControl(Control):
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
-        token: weightsync's token (``in_engine/auth.py``), sent on every call; None: none.
+        token: weightsync's token (``server_auth.py``), sent on every call; None: none.
         timeout_s: how long one call may take.
 
     Raises:

@@ -5,7 +5,7 @@ One engine class, `RemoteVLLMEngine`, with two pluggable halves:
 - a *control plane* (``control.py``: `HTTPControl` for a server, `LLMControl` for a
   multiprocess ``LLM``): pause/resume, prefix-cache reset, adapters by name, generation, sleep,
   and ``collective_rpc`` into weightsync's worker extension (``in_engine/extension.py``);
-- a *transport* for the bytes (``transports.py``): tmpfs files, a gloo group, vLLM's
+- a *transport* for the bytes (``transports/``): tmpfs files, a gloo group, vLLM's
   weight-transfer API.
 
 Every write: pause (in-flight requests are kept, not dropped), write, reset the prefix cache,

@@ -18,8 +18,8 @@ from ...errors import AuthError, EngineUnavailableError
 from ...wire.protocol import EngineFacts
 from . import stock
 from .control import TOKEN_MIDDLEWARE, WORKER_EXTENSION, HTTPControl
-from .in_engine.auth import TOKEN_ENV
 from .remote import RemoteVLLMEngine
+from .server_auth import TOKEN_ENV
 from .transports import TmpfsTransport, Transport
 
 

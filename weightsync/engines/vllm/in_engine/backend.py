@@ -1,5 +1,5 @@
 """The worker half of weightsync's backend for vLLM's weight-transfer API (its trainer half is
-``WeightTransferTransport`` in ``transports.py``).
+``WeightTransferTransport`` in ``transports/weight_transfer.py``).
 
 vLLM 0.32 exposes a four-call weight-update protocol: ``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights`` (one or many chunks), ``finish_weight_update``, as

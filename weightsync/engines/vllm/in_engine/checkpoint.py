@@ -2,10 +2,11 @@
 
 The contract a sync is checked against is what the engine actually loads. Its names come from
 the model the engine's config builds (transformers, on the meta device: no memory), in
-checkpoint layout (`weightsync.wire.layout.checkpoint_shapes`): a checkpoint entry that is not a
-parameter or persistent buffer of that model is not a weight the engine loads (vLLM's loaders
-skip ``rotary_emb.inv_freq`` buffers of older exports), and an engine that read no files at all
-(``load_format="dummy"``: random weights, the first sync fills them) has a contract all the same.
+checkpoint layout (`weightsync.wire.checkpoint_names.checkpoint_shapes`): a checkpoint entry
+that is not a parameter or persistent buffer of that model is not a weight the engine loads
+(vLLM's loaders skip ``rotary_emb.inv_freq`` buffers of older exports), and an engine that read
+no files at all (``load_format="dummy"``: random weights, the first sync fills them) has a
+contract all the same.
 When the engine did load files, the names are also those the files hold, with their shapes: the
 files are chosen by vLLM's loader (its allow patterns, the safetensors index that excludes a
 duplicate consolidated file), not by a glob; a model given as a hub id is read from the local
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ....wire import format as fmt
-from ....wire.layout import checkpoint_shapes
+from ....wire.checkpoint_names import checkpoint_shapes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel  # untyped for mypy (transformers is skipped): Any

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ....wire import format as fmt
-from ....wire.layout import checkpoint_shapes
+from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import EngineFacts, LoraLimits, Outcome, Quantization
 from . import checkpoint as ckpt
 from .ledger import worker_of

@@ -1,6 +1,6 @@
 """The token guard of a ``vllm serve`` server: an ASGI middleware vLLM loads into its API server.
 
-Start the server with ``--middleware weightsync.engines.vllm.in_engine.auth.RequireToken`` and
+Start the server with ``--middleware weightsync.engines.vllm.server_auth.RequireToken`` and
 the token in its environment (``WEIGHTSYNC_TOKEN``); the trainer passes the same token
 (``VLLMServerEngine(url, token=...)`` or ``WEIGHTSYNC_TOKEN``), sent as the
 ``X-Weightsync-Token`` header.
@@ -16,7 +16,7 @@ therefore guarded until someone decides otherwise. Rollout clients keep using th
 routes without weightsync's token (guard those with ``--api-key`` if needed; the two headers do
 not collide).
 
-Like the rest of ``in_engine/``, stdlib only: it runs inside vLLM's process.
+Standard library only: it runs inside vLLM's API server process, which imports it by name.
 """
 
 from __future__ import annotations

@@ -1,0 +1,138 @@
+"""Buckets broadcast over a gloo process group the trainer opens with the workers (``wire.gloo``):
+the transport for an engine on another host, and the one that can send deltas."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import torch
+
+from ....plan import Bucket
+from ....wire import gloo
+from ....wire.delta import SentCopies, WireCount
+from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, signer_for
+
+
+class GlooTransport(Transport):
+    """Buckets broadcast over a gloo process group (``wire.gloo``): trainer rank 0, workers
+    ranks 1..N.
+
+    Args:
+        host: address the trainer listens on and the workers connect to (127.0.0.1 for one
+            host; an address the engine's host can reach otherwise).
+        port: the rendezvous port (0: a free one).
+        timeout_s: how long a broadcast waits for a peer before failing.
+        tagged: tag every bucket in the stream (``wire.tags``); the workers check each before
+            loading it.
+        delta: send only the changed elements of a bucket whose base the workers hold
+            (``wire.delta``, docs/delta.md): after a training step of a bf16 engine a few
+            percent of the bytes. Costs one copy of the weights kept here and one in each of
+            the engine's workers between syncs, and a compare pass per bucket; needs
+            ``tagged``. Off by default: the memory is the user's to give.
+
+    The rendezvous listens on ``host`` only, under a secret the workers get over the control
+    channel (``wire.gloo``). A server's workers hold one gloo group: one gloo engine per server
+    at a time.
+
+    Raises:
+        ValueError: ``delta`` without ``tagged`` (the tag of the whole bucket is what proves a
+            patched bucket exact).
+    """
+
+    name = "gloo"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 300.0,
+        *,
+        tagged: bool = True,
+        delta: bool = False,
+    ) -> None:
+        if delta and not tagged:
+            raise ValueError(
+                "GlooTransport(delta=True) needs tagged=True: a patched bucket is proven "
+                "byte-identical to the whole one by the whole bucket's tag"
+            )
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.tagged = tagged
+        self._copies = SentCopies() if delta else None
+        self._rpc: Rpc | None = None
+        self._group: Any = None
+        self._store: Any = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
+
+    @property
+    def delta(self) -> bool:
+        """Whether this transport sends deltas."""
+        return self._copies is not None
+
+    @property
+    def last_sync(self) -> WireCount | None:
+        """What the last send put on the wire (delta transports only)."""
+        return None if self._copies is None else self._copies.last
+
+    def connect(self, rpc: Rpc, world_size: int) -> None:
+        self._rpc = rpc
+
+        def join(port: int, secret: str) -> Future:
+            kwargs = {
+                "host": self.host,
+                "port": port,
+                "world_size": world_size + 1,
+                "timeout_s": self.timeout_s,
+                "secret": secret,
+            }
+            return self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
+
+        self._group, self._store = gloo.open_group(
+            self.host, self.port, world_size + 1, self.timeout_s, join
+        )
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        if self._group is None:
+            raise RuntimeError("GlooTransport.send before connect")
+        signer = signer_for(self.tagged)
+        copies = self._copies
+        if copies is None:
+            received = self._pool.submit(rpc, "weightsync_receive_gloo", proof_args(signer))
+            gloo.send(self._group, buckets, received, send_timed, signer)
+            return
+
+        # Deltas only if every worker still holds the copies the last successful sync left.
+        reported = [o.value for o in rpc("weightsync_delta_state", {})]
+        kwargs = proof_args(signer) | {"delta": copies.begin(reported)}
+        received = self._pool.submit(rpc, "weightsync_receive_gloo", kwargs)
+        try:
+            gloo.send(self._group, buckets, received, partial(send_timed, copies=copies), signer)
+        except BaseException:
+            copies.reset()
+            raise
+        copies.commit()
+
+    def put_adapter(
+        self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
+    ) -> str | None:
+        """Broadcast the adapter; the engine's first worker writes it to a folder on its own
+        host (the server may be on another one) and its path is returned."""
+        if self._group is None:
+            raise RuntimeError("GlooTransport.put_adapter before connect")
+        signer = signer_for(self.tagged)
+        kwargs = {"version": version, "config": json.dumps(config, default=str)}
+        received = self._pool.submit(rpc, "weightsync_receive_adapter", kwargs | proof_args(signer))
+        gloo.send(self._group, [list(tensors.items())], received, send_timed, signer)
+        return next(o.value for o in received.result() if o.value is not None)
+
+    def close(self) -> None:
+        if self._copies is not None and self._rpc is not None and self._group is not None:
+            drop_kept_copies(self._rpc, self._copies, {})
+        self._group = None
+        self._store = None
+        self._pool.shutdown(wait=False)
