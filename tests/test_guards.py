@@ -22,6 +22,7 @@ from weightsync.wire import format as fmt
 from weightsync.wire import gloo, tags
 from weightsync.wire.files import KeptFiles, MappedFiles, check_files, write_folder
 from weightsync.wire.scratch import private_dir
+from weightsync.wire.stream import Kind
 
 BUCKETS = [[("a", torch.randn(300))], [("b", torch.randn(2, 3)), ("c", torch.ones(4))]]
 
@@ -105,9 +106,9 @@ def test_a_worker_refuses_a_stream_changed_on_the_way(ranks, monkeypatch, attack
             if attack == "replay" and 4 <= len(frames) <= 6:  # bucket 1: bucket 0's frames
                 tensor = frames[len(frames) - 4]
             if attack == "truncate" and len(frames) == 4:  # an END for one bucket, untagged
-                real_send(group, torch.tensor([gloo.FRAME_END, 1], dtype=torch.int64))
+                real_send(group, torch.tensor([Kind.END, 1], dtype=torch.int64))
                 real_send(group, torch.zeros(gloo.TAG_FRAME_BYTES, dtype=torch.uint8))
-                tensor = torch.tensor([gloo.FRAME_END, 0], dtype=torch.int64)  # a stray frame
+                tensor = torch.tensor([Kind.END, 0], dtype=torch.int64)  # a stray frame
         real_send(group, tensor)
 
     monkeypatch.setattr(gloo, "broadcast", tampering)

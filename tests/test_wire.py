@@ -1,6 +1,7 @@
 """The wire both sides speak, without vLLM: the one format (any safetensors reader reads it),
 the typed messages (a JSON round trip loses nothing), and gloo framing over loopback (two ranks
-in two threads: a bucket stream, an abort part-way, the outcome all-gather)."""
+in two threads: a bucket stream, an abort part-way, the outcome all-gather), and the stream
+protocol every carrier shares (``wire.stream``), carried by a plain list."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from weightsync.errors import BytesRejectedError
+from weightsync.errors import BytesRejectedError, WeightSyncError
 from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
-from weightsync.wire import gloo
+from weightsync.wire import gloo, stream
 from weightsync.wire.protocol import EngineFacts, LoraLimits, Outcome, raise_failures
 from weightsync.wire.tags import Signer
 
@@ -114,7 +115,7 @@ def test_a_trainer_failure_part_way_aborts_the_workers(ranks):
     def receive():
         receiver = gloo.Receiver(worker)
         names = []
-        with pytest.raises(RuntimeError, match="aborted this weight update part-way"):
+        with pytest.raises(WeightSyncError, match="aborted this weight update part-way"):
             for name, _ in receiver:
                 names.append(name)
         return names, receiver.finished
@@ -123,6 +124,69 @@ def test_a_trainer_failure_part_way_aborts_the_workers(ranks):
     with pytest.raises(RuntimeError, match="ran out of memory"):  # the trainer's error, the cause
         gloo.send(trainer, buckets(), received)
     assert received.result() == (["a"], True)
+
+
+# --- the stream protocol (wire.stream), whatever carries it ----------------------------------
+
+
+def _frames(buckets, signer, copies=None):
+    """A stream as a carrier would move it: each bucket's frame, then the END."""
+    out = [stream.frame(b, signer, copies) for b in buckets]
+    return out, stream.end_tag(signer, len(out))
+
+
+def test_every_frame_is_checked_in_order_and_the_end_carries_the_count():
+    buckets = [[("a", torch.randn(7))], [("b", torch.randn(2, 3))]]
+    signer = Signer()
+    frames, end = _frames(buckets, signer)
+    checker = stream.Checker(signer.key_hex)
+    got = dict(p for f in frames for p in fmt.views(checker.bucket(*f)))
+    checker.end(len(frames), end)
+    assert all(torch.equal(got[n], t) for b in buckets for n, t in b)
+
+    def refused(frames, count, end, match, key=signer.key_hex):
+        checker = stream.Checker(key)
+        with pytest.raises(BytesRejectedError, match=match):
+            for f in frames:
+                checker.bucket(*f)
+            checker.end(count, end)
+
+    altered = frames[0].payload.copy()
+    altered[-1] ^= 1
+    refused([frames[0]._replace(payload=altered)], 0, end, "bucket 0 of the stream: its bytes")
+    refused([frames[1], frames[0]], 2, end, "bucket 0 of the stream: arrived out of order")
+    refused(frames[:1], 2, end, "the stream's end: arrived out of order")  # one dropped
+    refused(frames, 1, end, "the stream's end: its bytes are not")  # the count changed
+    refused([frames[0]._replace(kind=7)], 1, end, "unknown kind 7")
+    honest = Signer()  # a trainer that tags an END claiming more than it sent
+    one = [stream.frame(buckets[0], honest)]
+    refused(one, 2, stream.end_tag(honest, 2), "ended after 1 of 2 buckets", honest.key_hex)
+    with pytest.raises(WeightSyncError, match="aborted this weight update part-way: oom"):
+        stream.Checker().abort("oom")
+
+
+def test_a_delta_frame_is_checked_as_the_whole_bucket():
+    sent, loaded = delta_mod.SentCopies(), delta_mod.LoadedCopies()
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    for step in range(2):
+        signer = Signer()
+        sync_id = sent.begin([loaded.synced])
+        frames, end = _frames([[("w", w)]], signer, sent)
+        assert [f.kind for f in frames] == [stream.Kind.DELTA if step else stream.Kind.BUCKET]
+        checker = stream.Checker(signer.key_hex, loaded)
+        payload = frames[0].payload
+        read_only = payload.copy()
+        read_only.flags.writeable = False  # as Ray's store hands it out: kept as a copy
+        got = checker.bucket(frames[0].kind, read_only, frames[0].tag)
+        checker.end(1, end)
+        assert np.array_equal(got, fmt.pack([("w", w)]).numpy())
+        sent.commit()
+        loaded.commit(sync_id, checker.count)
+        w.view(-1)[::97] += 0.5
+    with pytest.raises(BytesRejectedError, match="keeps no copies to patch"):
+        stream.Checker(signer.key_hex).bucket(*frames[0])
+    with pytest.raises(ValueError, match="sign the stream"):
+        stream.frame([("w", w)], None, sent)
 
 
 # --- deltas (wire.delta): only the changed words ---------------------------------------------

@@ -8,7 +8,9 @@ and from vLLM, never from the trainer side. Each module holds both halves of one
   aliases): the one writer and the one reader;
 - ``files``: buckets as files in a RAM folder, kept and rewritten in place between syncs (the
   trainer writes, the worker maps);
-- ``gloo``: buckets broadcast over a gloo process group (trainer rank 0, workers 1..N), framed;
+- ``stream``: one stream of buckets whatever carries it: its frames (bucket, delta, end with
+  the count, abort), what each tag covers, the receiver's checks in order;
+- ``gloo``: a stream broadcast over a gloo process group (trainer rank 0, workers 1..N);
 - ``protocol``: the typed messages: the engine's facts, a worker's outcome, the weight-transfer
   backend's payloads;
 - ``checkpoint_names``: checkpoint names and shapes, from transformers' own conversion rules

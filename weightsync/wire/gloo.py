@@ -3,12 +3,11 @@ further rank. Both halves: `open_group` / `send` on the trainer, `join_group` / 
 workers. Works across hosts on CPU.
 
 The group is one of its own (not torch's default group, which vLLM owns), rendezvoused through
-a ``TCPStore`` the trainer listens on. A stream is a sequence of frames, each an int64 header
-``[kind, payload_len]`` broadcast from rank 0, then for a bucket one payload: the bucket as a
-safetensors file's bytes (``format.pack``), which the workers view in place. It ends with an
-END frame (its length field: how many buckets came), or an ABORT frame when the trainer failed
-part-way (the workers then abandon what they loaded). Outcomes come back the other way in one
-all-gather (`gather_outcomes`).
+a ``TCPStore`` the trainer listens on. The stream is ``wire.stream``'s (BUCKET or DELTA frames,
+then END with the count, or ABORT), each frame broadcast from rank 0 as its int64 header
+``[kind, length]``, then its payload (for a bucket, a safetensors file's bytes, ``format.pack``,
+which the workers view in place), then, in a tagged stream, a TAG frame carrying its tag.
+Outcomes come back the other way in one all-gather (`gather_outcomes`).
 
 Who gets in. torch's ``TCPStore`` listens on every interface and has no authentication, so:
 
@@ -17,15 +16,13 @@ Who gets in. torch's ``TCPStore`` listens on every interface and has no authenti
 - the group's keys live under a secret prefix, fresh per rendezvous, that workers are told over
   the control channel: a process that reaches the port without it never finds the group, and
   the workers wait for no one else;
-- with a sync's `Signer` (``wire.tags``) each bucket and the END frame are followed by a TAG
-  frame: the keyed tag of the header and payload, its nonce the frame's number, so a worker
-  refuses an altered, replayed or truncated stream before loading a byte of it.
+- with a sync's `Signer` (``wire.tags``) each frame but ABORT is followed by its TAG frame
+  (``wire.stream``), so a worker refuses an altered, replayed or truncated stream before
+  loading a byte of it.
 
 Deltas (``wire.delta``): with the trainer's `SentCopies` and a worker's `LoadedCopies`, a bucket
-whose base the worker holds travels as a DELTA frame (header ``[DELTA, len]``, the encoded
-delta), followed by the TAG frame of the bucket a full sync would have sent (its BUCKET header
-and whole payload): the worker patches its copy and checks that tag on the result, so what it
-loads is byte-identical to the full frame or refused.
+whose base the worker holds travels as a DELTA frame, checked as the whole bucket
+(``wire.stream``).
 """
 
 from __future__ import annotations
@@ -39,13 +36,12 @@ from typing import Any
 
 import torch
 
-from ..errors import BytesRejectedError
 from . import format as fmt
-from .delta import Delta, LoadedCopies, SentCopies
+from . import stream
+from .delta import LoadedCopies, SentCopies
 from .protocol import Outcome
-from .tags import Signer, check
-
-FRAME_BUCKET, FRAME_END, FRAME_ABORT, FRAME_DELTA = 1, 0, -1, 2
+from .stream import Kind
+from .tags import Signer
 
 #: Bytes of one rank's outcome in `gather_outcomes` (a longer message is cut).
 OUTCOME_BYTES = 4096
@@ -126,8 +122,8 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def _header(kind: int, payload_len: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, payload_len], dtype=torch.int64)
+def _header(kind: Kind, length: int = 0) -> torch.Tensor:
+    return torch.from_numpy(stream.header(kind, length))
 
 
 def _tag_frame(tag: str) -> torch.Tensor:
@@ -137,15 +133,9 @@ def _tag_frame(tag: str) -> torch.Tensor:
     return frame
 
 
-def _signed(
-    group: Any, signer: Signer | None, header: torch.Tensor, *payload: Any, tag: str = ""
-) -> None:
-    """Broadcast ``header`` and ``payload``, then (with ``signer``) the tag of what this rank
-    holds before sending (``tag``: one made already): bytes changed on the way cannot match
-    it."""
-    if signer is not None and not tag:
-        tag = signer.sign(header.numpy(), *(p.numpy() for p in payload))
-    broadcast(group, header)
+def _broadcast_frame(group: Any, head: torch.Tensor, tag: str, *payload: torch.Tensor) -> None:
+    """One frame: its header, its payload, and (tagged) its TAG frame."""
+    broadcast(group, head)
     for part in payload:
         broadcast(group, part)
     if tag:
@@ -158,23 +148,11 @@ def send_bucket(
     signer: Signer | None = None,
     copies: SentCopies | None = None,
 ) -> None:
-    """One bucket frame: its header, the bucket's bytes, and (with ``signer``) their tag; with
-    ``copies`` (which need a ``signer``), a DELTA frame instead when ``copies`` has a base."""
-    if copies is None:
-        payload = fmt.pack(bucket)
-        _signed(group, signer, _header(FRAME_BUCKET, payload.numel()), payload)
-        return
-    if signer is None:
-        raise ValueError("a delta is checked by the tag of the full bucket: sign the stream")
-    whole, tag, delta = copies.next(
-        bucket, lambda data: signer.sign(_header(FRAME_BUCKET, data.size).numpy(), data)
-    )
-    if delta is None:
-        data = torch.from_numpy(whole)
-        _signed(group, signer, _header(FRAME_BUCKET, data.numel()), data, tag=tag)
-    else:
-        wire = torch.from_numpy(delta.to_bytes())
-        _signed(group, signer, _header(FRAME_DELTA, wire.numel()), wire, tag=tag)
+    """One bucket's frame (``stream.frame``): its header, the bucket's bytes, and (with
+    ``signer``) their tag; with ``copies`` (which need a ``signer``), a DELTA frame instead
+    when ``copies`` has a base."""
+    kind, payload, tag = stream.frame(bucket, signer, copies)
+    _broadcast_frame(group, _header(kind, payload.size), tag, torch.from_numpy(payload))
 
 
 def send(
@@ -201,19 +179,22 @@ def send(
             count += 1
     except BaseException:
         if not received.done():
-            broadcast(group, _header(FRAME_ABORT))
+            broadcast(group, _header(Kind.ABORT))
         received.exception()  # wait: the workers have restored their layers
         raise
-    _signed(group, signer, _header(FRAME_END, count))
+    _broadcast_frame(
+        group, _header(Kind.END, count), stream.end_tag(signer, count) if signer else ""
+    )
     received.result()
 
 
 class Receiver:
-    """A worker's view of one stream: iterates its (name, tensor) pairs, one bucket a frame.
+    """A worker's view of one stream: iterates its (name, tensor) pairs, one bucket a frame,
+    each frame checked by a ``stream.Checker`` before its tensors are yielded.
 
     Args:
         group: the worker's end of the group.
-        key: the sync's tag key (``wire.tags``) when the trainer tags the stream: every bucket
+        key: the sync's tag key (``wire.tags``) when the trainer tags the stream: every frame
             is checked before its tensors are yielded, and the END frame's count too.
         copies: this worker's kept copies (``wire.delta``) when the trainer sends deltas: each
             whole bucket is kept there, each DELTA frame patches one and is checked as the
@@ -223,85 +204,44 @@ class Receiver:
     def __init__(self, group: Any, key: str = "", copies: LoadedCopies | None = None) -> None:
         self.group = group
         self.key = key
-        self.copies = copies
         self.finished = False  # the END or ABORT frame was received
-        self._frames = 0  # tagged frames checked so far (the next one's nonce)
-        self._buckets = 0
+        self._checker = stream.Checker(key, copies)
         self._draining = False
 
     @property
     def buckets(self) -> int:
         """Buckets received and checked so far."""
-        return self._buckets
+        return self._checker.count
 
     def _tag(self) -> str:
         """The TAG frame that follows a frame (received even when draining, so the stream
-        stays in step)."""
+        stays in step); "" in an untagged stream."""
+        if not self.key:
+            return ""
         frame = torch.zeros(TAG_FRAME_BYTES, dtype=torch.uint8)
         broadcast(self.group, frame)
         return bytes(frame.numpy()).rstrip(b"\0").decode(errors="replace")
 
-    def _check(self, what: str, *parts: torch.Tensor) -> str:
-        """Check ``parts`` against the TAG frame that follows them; the tag ("" untagged)."""
-        if not self.key:
-            return ""
-        tag = self._tag()
-        if self._draining:
-            return tag
-        check(self.key, tag, what, *(p.numpy() for p in parts), expect=self._frames)
-        self._frames += 1
-        return tag
-
-    def _patched(self, payload: torch.Tensor) -> Any:
-        """The bucket a DELTA frame's ``payload`` patches this worker's copy into, checked
-        against the tag of the whole bucket; None when draining."""
-        tag = self._tag() if self.key else ""
-        if self._draining:
-            return None
-        what = f"bucket {self._buckets} of the stream (a delta)"
-        if self.copies is None or not self.key:
-            raise BytesRejectedError(
-                f"{what}: this worker keeps no copies to patch (or the stream is not tagged): "
-                "nothing of it was loaded"
-            )
-        delta = Delta.from_bytes(payload.numpy())
-        patched = self.copies.patch(self._buckets, delta)
-        whole = _header(FRAME_BUCKET, delta.size).numpy()
-        check(self.key, tag, what, whole, patched, expect=self._frames)
-        self.copies.loaded(self._buckets, tag)
-        self._frames += 1
-        return patched
-
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while not self.finished:
-            header = torch.zeros(2, dtype=torch.int64)
-            broadcast(self.group, header)
-            kind, payload_len = (int(x) for x in header)
-            if kind == FRAME_END:
+            head = torch.zeros(2, dtype=torch.int64)
+            broadcast(self.group, head)
+            kind, length = (int(x) for x in head)
+            if kind == Kind.END:
                 self.finished = True
-                self._check("the stream's end", header)
-                if self.key and not self._draining and payload_len != self._buckets:
-                    raise RuntimeError(
-                        f"the stream ended after {self._buckets} buckets, the trainer sent "
-                        f"{payload_len}"
-                    )
+                tag = self._tag()
+                if not self._draining:
+                    self._checker.end(length, tag)
                 return
-            if kind == FRAME_ABORT:
+            if kind == Kind.ABORT:
                 self.finished = True
-                raise RuntimeError("the trainer aborted this weight update part-way")
-            payload = torch.empty(payload_len, dtype=torch.uint8)
+                self._checker.abort()
+            payload = torch.empty(length, dtype=torch.uint8)
             broadcast(self.group, payload)
-            if kind == FRAME_DELTA:
-                data = self._patched(payload)
-            else:
-                tag = self._check(f"bucket {self._buckets} of the stream", header, payload)
-                data = payload.numpy()
-                if self.copies is not None and tag and not self._draining:
-                    self.copies.keep(self._buckets, data, tag)
+            tag = self._tag()
             if self._draining:
                 continue
-            self._buckets += 1
-            yield from fmt.views(data)
+            yield from fmt.views(self._checker.bucket(kind, payload.numpy(), tag))
 
     def drain(self) -> None:
         """Consume the rest of the stream unchecked (nothing of it is loaded), so the trainer's
