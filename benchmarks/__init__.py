@@ -17,4 +17,10 @@ Run ``bash .ci/env python -m benchmarks`` (see docs/benchmarks.md). Modules, in 
 - `benchmarks.memory`       -- FullSync's peak extra memory against its bound, at a second size.
 - `benchmarks.report`       -- JSON, markdown table, PNG plot, targets.
 - `benchmarks.verification` -- checks of weightsync's verification itself (run on its own).
+- `benchmarks.quantized`    -- FullSync into quantized engines, and their oracle checkpoint.
+- `benchmarks.demo`         -- a level-2 wake's gibberish and weightsync's recovery, in 20 s.
+
+Shared with the tests and docs/recipes: `benchmarks.processes` (the real processes they start
+and stop: ``vllm serve``, a multiprocess ``LLM``, a Ray cluster on loopback) and
+`benchmarks.console` (vLLM's log kept quiet). None of this is part of the installed package.
 """

@@ -23,7 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .console import quiet_vllm
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+quiet_vllm()
 
 SECOND_SIZE = {"tiny": "tiny4", "0.5b": "1.5b"}
 

@@ -5,8 +5,8 @@ The statistic of `weightsync.verify.check_engine`: the engine's prompt logprobs 
 the prompt's token) at every position of the canary prompts, against the trainer's; mean and
 largest difference within the dtype's tolerance. A one-step stale tied lm_head fails it
 (docs/failure-modes.md), so a row serving one fails; whether the engine can hold one at all (its
-head a copy of its own, `weightsync.testing.head_is_own_copy`) is recorded with each check. The memcpy rows are checked by their own
-copies (`benchmarks.anchors.MemcpyFloor.exact`).
+head a copy of its own, `head_is_own_copy`) is recorded with each check. The memcpy rows are
+checked by their own copies (`benchmarks.anchors.MemcpyFloor.exact`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,47 @@ from typing import Any
 
 import torch
 
-from weightsync.testing import head_is_own_copy
+from weightsync.engines.base import Engine, adapt
 from weightsync.verify import TOLERANCE, TOP_K, canary_prompts, score_diffs
 
 from .rows import Row
 from .trainers import GREEDY_TOKENS, Trainers, canary
+
+
+def _head_reads_the_embedding(worker: Any) -> bool | None:
+    """In a vLLM worker: whether the model's tied ``lm_head`` computes from the embedding's
+    live storage (None: the model has no tied head). Asked of the head itself: the logits of a
+    fixed hidden state, before and after the embedding is doubled in place (exactly undone)."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or not any(
+        m is not head and getattr(m, "weight", None) is weight for m in model.modules()
+    ):
+        return None
+    hidden = torch.randn(
+        2, weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        before = model.compute_logits(hidden)
+        weight.mul_(2)
+        try:
+            after = model.compute_logits(hidden)
+        finally:
+            weight.div_(2)
+    return not torch.equal(before, after)
+
+
+def head_is_own_copy(engine: Engine | Any) -> bool | None:
+    """Whether the engine's tied ``lm_head`` is a copy of its own (None: no tied head).
+
+    vLLM registers a tied head under the embedding's parameter, but a CPU backend may compute it
+    from a copy packed for its GEMM kernel at load time (oneDNN packs one on some CPUs and
+    dtypes, not on others: float32 on AVX2 does, bfloat16 on AVX2 does not). Only where it
+    is a copy can a reload that sends the tied tensor under the embedding's name alone leave
+    the head stale, so a test or benchmark that claims a stale head asks this first."""
+    held = adapt(engine).llm.collective_rpc(_head_reads_the_embedding)
+    return None if held[0] is None else not all(held)
 
 
 @torch.no_grad()

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from weightsync.engines import GlooTransport, VLLMEngine, VLLMMultiprocEngine
 
     from .models import resolve
+    from .processes import multiproc_llm
 
     spec = resolve(args.model)
     model = AutoModelForCausalLM.from_pretrained(spec.checkpoint, dtype=torch.float32)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gc.collect()
     if args.ray:
         rows += _ray_rows(spec.checkpoint, sync, trainer, args.runs, kv)
-    with T.multiproc_llm(spec.checkpoint, dtype="bfloat16", kv_cache_bytes=kv) as llm:
+    with multiproc_llm(spec.checkpoint, dtype="bfloat16", kv_cache_bytes=kv) as llm:
         for label, delta in (("gloo, full", False), ("gloo, delta", True)):
             engine = VLLMMultiprocEngine(llm, transport=GlooTransport(delta=delta))
             try:
@@ -166,14 +167,14 @@ def _ray_rows(checkpoint: str, sync: Any, trainer: Trainer, runs: int, kv: int) 
     import torch
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from weightsync import testing as T
-    from weightsync.integrations.ray import RayObjectStoreTransport, RayVLLMEngine
+    from weightsync.engines.vllm.ray import RayObjectStoreTransport, RayVLLMEngine
 
+    from .processes import ray_cluster
     from .ray import rollout_class
 
     weights = sum(p.numel() * 2 for p in trainer.model.parameters())  # bf16 on the wire
     rows = []
-    with T.ray_cluster(2, object_store_bytes=3 * weights + (512 << 20)) as nodes:
+    with ray_cluster(2, object_store_bytes=3 * weights + (512 << 20)) as nodes:
         threads = {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}
         cls = ray.remote(num_cpus=0, max_restarts=0, runtime_env=threads)(rollout_class())
         where = NodeAffinitySchedulingStrategy(nodes[1], soft=False)

@@ -22,11 +22,11 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 from weightsync import FullSync
-from weightsync import testing as T
 from weightsync.engines import TOKEN_MIDDLEWARE, GlooTransport, VLLMServerEngine
 from weightsync.verify import check_engine
 
 from .models import resolve
+from .processes import VLLMServer, serving
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec.checkpoint, dtype=spec.dtype)
     sync = FullSync(skip_unchanged=False)  # a full push every time
     log = Path(tempfile.mkdtemp(prefix="weightsync-guards-")) / "server.log"
-    server = T.VLLMServer(
+    server = VLLMServer(
         spec.checkpoint,
         log,
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# Keyed tags on and off: {spec.name}, FullSync into a guarded vllm serve")
     print("| transport | tags on: s median (min-max) | tags off: s median (min-max) | cost |")
     print("|---|---|---|---|")
-    with T.serving(server):
+    with serving(server):
         for name, transport in (("tmpfs", "tmpfs"), ("gloo", GlooTransport())):
             engine = VLLMServerEngine(server.url, token=token, transport=transport)
             try:

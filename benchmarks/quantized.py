@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightsync.trainer.quantize import Scheme
 
 #: (row label, vLLM ``quantization`` option or None, weightsync scheme or None)
 ENGINES = [
@@ -27,12 +34,54 @@ ENGINES = [
 ]
 
 
+def quantized_checkpoint(
+    model: Any,
+    folder: str | Path,
+    scheme: Scheme,
+    *,
+    ignore: Iterable[str] = ("lm_head",),
+) -> str:
+    """Write ``model`` (a transformers causal LM, in the engine's dtype) as a compressed-tensors
+    checkpoint in ``scheme``: every ``nn.Linear`` outside ``ignore`` quantized as a sync
+    quantizes it, the rest as the model holds it. An engine started from it is the oracle of a
+    sync of ``model`` into an engine of that scheme. Returns the folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    skip = tuple(ignore)
+    linear = {
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not any(name.split(".")[-1] == s for s in skip)
+    }
+    state = {}
+    for name, t in model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if module != name and module in linear:
+            parts = scheme.quantize(t, t.dtype)
+            state.update({f"{module}.{part}": v for part, v in parts.items()})
+        else:
+            state[name] = t.detach().contiguous()
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    # a tied lm_head is stored once, as save_pretrained stores it
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = scheme.config(skip)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
 def measure(
     label: str, option: str | None, scheme: str | None, model, folder: str, runs: int
 ) -> dict:
     """One engine's row: started from ``folder`` (or ``model`` quantized to ``scheme`` in a
     temporary folder, removed afterwards), then synced."""
-    from weightsync.trainer.quantize import SCHEMES, quantized_checkpoint
+    from weightsync.trainer.quantize import SCHEMES
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = folder

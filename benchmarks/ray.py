@@ -1,4 +1,4 @@
-"""FullSync into vLLM inside Ray actors (``weightsync.integrations.ray``), beside the in-process
+"""FullSync into vLLM inside Ray actors (``weightsync.engines.vllm.ray``), beside the in-process
 FullSync, in one run.
 
     bash .ci/env python -m benchmarks.ray [--model 0.5b] [--runs 5]
@@ -32,7 +32,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 def rollout_class() -> type:
     """The framework's actor: a ``vllm.LLM`` (engine core in the actor) and weightsync's mixin.
     Made in a function so Ray ships the class by value (the actors need not import this)."""
-    from weightsync.integrations.ray import WeightsyncActor
+    from weightsync.engines.vllm.ray import WeightsyncActor
 
     class Rollout(WeightsyncActor):
         def __init__(self, checkpoint: str, dtype: str, kv_cache_bytes: int) -> None:
@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from weightsync import FullSync
     from weightsync import testing as T
     from weightsync.engines import GlooTransport, Replicas, VLLMEngine
-    from weightsync.integrations.ray import RayVLLMEngine
+    from weightsync.engines.vllm.ray import RayVLLMEngine
 
     from .models import load_trainer, resolve
+    from .processes import ray_cluster
 
     spec = resolve(args.model)
     model = load_trainer(spec)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # The object store holds one copy of the weights per sync on the trainer's node, and the
     # other node a copy of what it pulled: twice the model and some room.
     store = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (512 << 20)
-    with T.ray_cluster(2, object_store_bytes=store) as nodes:
+    with ray_cluster(2, object_store_bytes=store) as nodes:
         # One torch thread per actor (Ray's default for an actor without CPUs): two actors
         # with two threads each on these two cores measured slower (docs/ray.md).
         cls = ray.remote(num_cpus=0, max_restarts=0)(rollout_class())

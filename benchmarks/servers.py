@@ -1,7 +1,7 @@
 """``vllm serve`` processes for the out-of-process rows, started once and always stopped, and
 the engine each of those rows syncs into.
 
-Each server is a `weightsync.testing.VLLMServer` (127.0.0.1, a free port, weightsync's worker
+Each server is a `benchmarks.processes.VLLMServer` (127.0.0.1, a free port, weightsync's worker
 extension, dev-mode endpoints, stopped gracefully by PID); `ServerPool.stop` also runs at
 interpreter exit, so an interrupted benchmark does not leave servers behind. The servers also run
 weightsync's weight-transfer backend, so the same server serves the tmpfs, gloo and
@@ -30,9 +30,9 @@ from weightsync.engines import (
     VLLMServerEngine,
     WeightTransferTransport,
 )
-from weightsync.testing import VLLMServer
 
 from .models import ModelSpec
+from .processes import VLLMServer
 from .rows import SERVER_ROWS
 
 

@@ -145,7 +145,7 @@ def measure(
     from weightsync import testing as T
     from weightsync.engines import VLLMEngine
     from weightsync.errors import VerificationError
-    from weightsync.trainer.quantize import SCHEMES, quantized_checkpoint
+    from weightsync.trainer.quantize import SCHEMES
     from weightsync.verify import (
         TOP_K,
         canary_prompts,
@@ -154,6 +154,8 @@ def measure(
         score_diffs,
         tolerance_for,
     )
+
+    from .quantized import quantized_checkpoint
 
     edt, tdt = DTYPES[engine_dtype], DTYPES[trainer_dtype]
     options: dict = {}

@@ -18,6 +18,7 @@ import psutil
 import pytest
 from conftest import ATOL, discard, full_model, lora_model, sync_and_check
 
+from benchmarks.processes import stretched
 from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
 from weightsync.engines import WORKER_EXTENSION, AsyncLLMEngine, adapt
@@ -33,7 +34,7 @@ def on(loop: asyncio.AbstractEventLoop, coro: Awaitable[R]) -> R:
     async def run() -> R:
         return await coro
 
-    return asyncio.run_coroutine_threadsafe(run(), loop).result(T.stretched(300))
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(stretched(300))
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,8 @@ def async_llm(loop, tmp_path_factory) -> Iterator[Any]:
             and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
         ]
         if llm is not None:
-            llm.shutdown(timeout=T.stretched(30))
-        _, alive = psutil.wait_procs(started, timeout=T.stretched(10))
+            llm.shutdown(timeout=stretched(30))
+        _, alive = psutil.wait_procs(started, timeout=stretched(10))
         for p in alive:
             p.kill()
         psutil.wait_procs(alive, timeout=10)

@@ -6,14 +6,10 @@ out-of-process rows (two ``vllm serve`` processes, ~1-2 min of start-up) are ski
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-# benchmarks/ is a top-level folder of the repo, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytest.importorskip("vllm")
 pytest.importorskip("matplotlib")

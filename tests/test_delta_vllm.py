@@ -4,7 +4,7 @@ over gloo with ``GlooTransport(delta=True)`` from a float32 trainer after a real
 
 One ``LLM`` (TP=1, engine core and worker in other processes) for the module, reached by two
 clients: the delta engine, and a tmpfs engine that plays "another client" and the full sync the
-delta must equal. Every process it started is stopped by PID (`weightsync.testing.multiproc_llm`).
+delta must equal. Every process it started is stopped by PID (`benchmarks.processes.multiproc_llm`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import bad_stream, differs, forge_deltas
 
+from benchmarks.processes import multiproc_llm
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import GlooTransport, VLLMMultiprocEngine
@@ -32,7 +33,7 @@ SYNC = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
 def llm(tmp_path_factory):
     model = T.tiny_model("qwen2", dtype=torch.bfloat16)
     checkpoint = T.save_checkpoint(model, tmp_path_factory.mktemp("delta") / "ck")
-    with T.multiproc_llm(checkpoint, dtype="bfloat16") as engine:
+    with multiproc_llm(checkpoint, dtype="bfloat16") as engine:
         yield engine
 
 

@@ -11,6 +11,7 @@ import torch
 from conftest import differs
 from peft import LoraConfig, get_peft_model
 
+from benchmarks.correctness import head_is_own_copy
 from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
@@ -87,12 +88,12 @@ def test_bf16_engine(engine, trainer_dtype):
 def test_bf16_stale_tied_head_after_one_small_step_is_caught(engine, trainer_dtype):
     """The audit's case: one training step of 0.02 (0.2 x the init range), then a push of every
     parameter once under its named_parameters name (TRL, ms-swift). Where the engine's tied head
-    is a copy of its own (`T.head_is_own_copy`), vLLM's layerwise reload restores lm_head alone,
+    is a copy of its own (`head_is_own_copy`), vLLM's layerwise reload restores lm_head alone,
     so the head stays one step behind and verification must catch it (measured with
     benchmarks.verification: mean |d logprob| 0.17-0.19 stale vs 0.012-0.017 correct; tolerance
     0.12). Where the head reads the embedding (bfloat16 on AVX2 CPUs), no reload can leave it
     stale: that push is correct there, and verification must pass it."""
-    own_head = T.head_is_own_copy(engine)
+    own_head = head_is_own_copy(engine)
     assert own_head is not None  # a tied model
     model = T.tiny_model("qwen2", seed=3, dtype=trainer_dtype)
     FullSync().sync(model, engine)
@@ -134,12 +135,12 @@ def fp32_engine(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["engine", "fp32_engine"])
 def test_the_head_layout_probe_agrees_with_vllms_reload(which, request):
-    """`T.head_is_own_copy` decides what the stale-head tests and the benchmark's anchor row
+    """`head_is_own_copy` decides what the stale-head tests and the benchmark's anchor row
     expect: checked here against what a reload of the embedding alone does to the head, on a
     bfloat16 (LoRA) and a float32 engine (on AVX2 CPUs one of each layout; on AVX-512 ones,
     both copies)."""
     engine = request.getfixturevalue(which)
-    own = T.head_is_own_copy(engine)
+    own = head_is_own_copy(engine)
     embedding = torch.randn(tuple(engine.expected_weights["model.embed_tokens.weight"]))
     follows = engine.llm.collective_rpc(
         _head_after_embedding_push, args=(embedding.to(engine.dtype),)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
+from benchmarks.processes import VLLMServer, free_port, left_behind, multiproc_llm, serving
 from weightsync import AdapterSync, FullSync, ReloadWeights, distributed
 from weightsync import testing as T
 from weightsync.engines import TmpfsTransport, VLLMEngine, VLLMMultiprocEngine, VLLMServerEngine
@@ -214,7 +215,7 @@ def group():
         yield dist.new_group(ranks=[dist.get_rank()], backend="gloo")
         return
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{T.free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     yield dist.group.WORLD
     dist.destroy_process_group()
@@ -236,7 +237,7 @@ def test_engine_broken_error_survives_distributed_sync(inv_freq_engine, group):
 # --- servers: a dummy one, killed; a new one on a checkpoint with a stray shard -------------
 
 
-def kill(server: T.VLLMServer) -> None:
+def kill(server: VLLMServer) -> None:
     """SIGKILL the server's processes by PID (psutil handles: never a reused PID)."""
     procs = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
     for p in procs:
@@ -246,7 +247,7 @@ def kill(server: T.VLLMServer) -> None:
 
 @pytest.fixture(scope="module")
 def dummy_server(config_only, tmp_path_factory):
-    server = T.VLLMServer(
+    server = VLLMServer(
         config_only,
         tmp_path_factory.mktemp("logs") / "dummy-server.log",
         args=["--load-format", "dummy", *LORA_ARGS],
@@ -340,8 +341,8 @@ def test_a_killed_server_raises_engine_unavailable(killed, dummy_server, group):
 @pytest.fixture(scope="module")
 def new_server(with_stray_shard, tmp_path_factory):
     """Started when its test needs it: after the dummy server's tests killed that one."""
-    server = T.VLLMServer(with_stray_shard, tmp_path_factory.mktemp("logs") / "new-server.log")
-    with T.serving(server):
+    server = VLLMServer(with_stray_shard, tmp_path_factory.mktemp("logs") / "new-server.log")
+    with serving(server):
         yield server
 
 
@@ -368,7 +369,7 @@ def test_a_dead_engine_core_raises_engine_unavailable(with_stray_shard):
     me = psutil.Process()
     before = {p.pid for p in me.children()}
     try:
-        with T.multiproc_llm(with_stray_shard) as llm:
+        with multiproc_llm(with_stray_shard) as llm:
             engine = VLLMMultiprocEngine(llm)
             try:
                 assert engine.expected_weights["lm_head.weight"][0] == T.TINY["vocab_size"]
@@ -405,7 +406,7 @@ def test_a_late_unlink_is_waited_for_and_a_real_leak_is_reported():
     unlink = threading.Timer(0.5, (Path("/dev/shm") / late).unlink)
     unlink.start()
     try:
-        assert T.left_behind([late, leaked], grace_s=2.0) == [leaked]
+        assert left_behind([late, leaked], grace_s=2.0) == [leaked]
         assert not (Path("/dev/shm") / leaked).exists()  # removed once reported
     finally:
         unlink.cancel()

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from conftest import ATOL, LORA, LORA_ARGS
 from peft import LoraConfig, get_peft_model
 
+from benchmarks.processes import VLLMServer, free_port, multiproc_llm, serving
 from weightsync import FullSync, Syncer, policy
 from weightsync import distributed as wdist
 from weightsync import testing as T
@@ -238,26 +239,26 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     checkpoint = T.save_checkpoint(T.tiny_model("qwen2", seed=0), root / "ck")
     with contextlib.ExitStack() as stack:
-        server = T.VLLMServer(checkpoint, root / "server.log", args=LORA_ARGS)
+        server = VLLMServer(checkpoint, root / "server.log", args=LORA_ARGS)
         stack.callback(lambda: server.alive() and server.stop())  # if we fail before serving()
         plain = VLLMEngine(T.make_llm(checkpoint))
         lora = VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16))
         garbage_dir = _write_garbage_checkpoint(dict(plain.expected_weights), root / "garbage")
         mp_llm = stack.enter_context(
-            T.multiproc_llm(checkpoint, enable_lora=True, max_lora_rank=16, max_loras=1)
+            multiproc_llm(checkpoint, enable_lora=True, max_lora_rank=16, max_loras=1)
         )
         # Bytes over gloo with deltas: every sleep, garbage write and other client's reload the
         # walk makes happens behind the workers' kept copies (docs/delta.md).
         mp = VLLMMultiprocEngine(mp_llm, transport=GlooTransport(delta=True))
         stack.callback(mp.close)
-        stack.enter_context(T.serving(server))
+        stack.enter_context(serving(server))
         srv = VLLMServerEngine(server.url, transport="tmpfs")
         stack.callback(srv.close)
 
         own_group = not dist.is_initialized()
         if own_group:
             dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{T.free_port()}", rank=0, world_size=1
+                "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
             )
             group = None
         else:  # vLLM made the default group: sync over a gloo group of our own

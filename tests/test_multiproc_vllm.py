@@ -3,7 +3,7 @@
 Its workers live in other processes, so tensors cannot go by reference (in ``collective_rpc``
 arguments they arrive as lists): :class:`VLLMMultiprocEngine` controls it through
 ``LLM.collective_rpc`` and moves bytes through a transport, like a server. One LLM per module;
-every process it started is stopped by PID at the end (`weightsync.testing.multiproc_llm`).
+every process it started is stopped by PID at the end (`benchmarks.processes.multiproc_llm`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import ATOL, discard, full_model, lora_model, sparse_step, sync_and_check
 
+from benchmarks.processes import multiproc_llm
 from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
 from weightsync.engines import GlooTransport, VLLMMultiprocEngine, adapt
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 def llm(tmp_path_factory):
     checkpoint = T.save_checkpoint(T.tiny_model("qwen2"), tmp_path_factory.mktemp("mp") / "ck")
     lora = dict(enable_lora=True, max_lora_rank=16, max_loras=1)
-    with T.multiproc_llm(checkpoint, tp=2, **lora) as engine:
+    with multiproc_llm(checkpoint, tp=2, **lora) as engine:
         yield engine
 
 

@@ -37,12 +37,13 @@ import pytest
 import torch
 from conftest import discard
 
+from benchmarks.quantized import quantized_checkpoint
 from weightsync import FullSync, ReloadWeights
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
 from weightsync.errors import VerificationError, WeightMismatchError
 from weightsync.execute import execute
-from weightsync.trainer.quantize import SCHEMES, quantized_checkpoint, scheme_of
+from weightsync.trainer.quantize import SCHEMES, scheme_of
 from weightsync.trainer.tensors import base_tensors
 from weightsync.verify import MEASURED_ON_CPU, Tolerance, canary_prompts, check_engine
 from weightsync.wire.protocol import EngineFacts, Quantization

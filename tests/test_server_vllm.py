@@ -8,7 +8,7 @@ a ``Syncer`` as a framework would, with the sleep levels made through the server
 is checked to change what the server generates, then to make it generate exactly the trainer's
 greedy tokens (float32 logprobs within 1e-3).
 
-Servers are `weightsync.testing.VLLMServer` processes, stopped gracefully by PID (vLLM then
+Servers are `benchmarks.processes.VLLMServer` processes, stopped gracefully by PID (vLLM then
 unlinks its shared memory); the module fails if a stop left anything in ``/dev/shm``.
 """
 
@@ -34,6 +34,7 @@ from conftest import (
 )
 from peft import LoraConfig, get_peft_model
 
+from benchmarks.processes import VLLMServer, serving
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, TmpfsTransport, VLLMEngine, VLLMServerEngine
@@ -75,12 +76,12 @@ def servers(checkpoints, tmp_path_factory, request):
     """A TP=1 and a TP=2 server, started together (start-up is the slow part)."""
     logs = tmp_path_factory.mktemp("logs")
     started = {
-        tp: T.VLLMServer(
+        tp: VLLMServer(
             checkpoints[tp], logs / f"tp{tp}.log", tp=tp, max_model_len=512, args=LORA_ARGS
         )
         for tp in _selected_tps(request)
     }
-    with T.serving(*started.values()):
+    with serving(*started.values()):
         yield started
     # A TP server's processes map shared memory (the workers' message queue, and on some CPUs
     # a ``cpushm`` communicator): the graceful stop was checked on whatever they mapped

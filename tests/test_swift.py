@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from conftest import build_tokenizer
 
+from benchmarks.processes import free_port
 from weightsync import testing as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def swift_rlhf(
     The command runs in its own process group, killed whole if it times out or fails (swift's
     CLI starts the trainer as a child process); ``started`` receives its ``Popen``, for the
     module to kill whatever still runs when it ends."""
-    port = T.free_port()
+    port = free_port()
     env = {
         **os.environ,
         "WEIGHTSYNC_PROBE_OUT": str(out / "probe.json"),

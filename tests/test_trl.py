@@ -36,6 +36,7 @@ pytest.importorskip("trl")
 
 from conftest import TEXT, build_tokenizer
 
+from benchmarks.processes import VLLMServer, serving
 from weightsync import testing as T
 from weightsync.integrations.trl import use_weightsync
 
@@ -376,8 +377,8 @@ def lora_server(checkpoint, tmp_path_factory):
     token = secrets.token_urlsafe(24)
     args = ["--enable-lora", "--max-lora-rank", "8", "--middleware", TOKEN_MIDDLEWARE]
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = T.VLLMServer(checkpoint["llama"], log, args=args, env={"WEIGHTSYNC_TOKEN": token})
-    with T.serving(server):
+    server = VLLMServer(checkpoint["llama"], log, args=args, env={"WEIGHTSYNC_TOKEN": token})
+    with serving(server):
         yield server, token
 
 

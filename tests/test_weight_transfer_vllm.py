@@ -4,7 +4,7 @@ The servers run ``--weight-transfer-config '{"backend": "weightsync"}'`` (regist
 worker by importing weightsync's worker extension) and are driven through vLLM's own
 ``HTTPVLLMWeightSyncClient``: ``VLLMServerEngine(url, transport=WeightTransferTransport(...))``,
 bytes as files or over gloo. One server per tensor-parallel size, started once per module on
-127.0.0.1 and free ports (`weightsync.testing.VLLMServer`), stopped gracefully by PID even when a
+127.0.0.1 and free ports (`benchmarks.processes.VLLMServer`), stopped gracefully by PID even when a
 test fails; the module fails if a stop left anything in ``/dev/shm``. Every sync is checked to change what
 the server generates, then to make it generate exactly the trainer's greedy tokens (float32
 logprobs within 1e-3).
@@ -31,6 +31,8 @@ from conftest import (
     sync_and_check,
 )
 
+from benchmarks import processes
+from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import (
@@ -50,10 +52,10 @@ INNERS = ("files", "gloo")
 pytestmark = pytest.mark.timeout(900)
 
 
-def wt_server(checkpoint: str, log, tp: int = 1) -> T.VLLMServer:
+def wt_server(checkpoint: str, log, tp: int = 1) -> VLLMServer:
     """A server running weightsync's weight-transfer backend (and weightsync's extension)."""
     args = ["--weight-transfer-config", '{"backend": "weightsync"}']
-    return T.VLLMServer(checkpoint, log, tp=tp, args=args)
+    return VLLMServer(checkpoint, log, tp=tp, args=args)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def servers(checkpoint, tmp_path_factory):
     """One server per TP size, started together (start-up is the slow part)."""
     logs = tmp_path_factory.mktemp("logs")
     started = {tp: wt_server(checkpoint, logs / f"tp{tp}.log", tp) for tp in TPS}
-    with T.serving(*started.values()):
+    with serving(*started.values()):
         yield started
 
 
@@ -233,7 +235,9 @@ def multiproc_llm(tmp_path_factory):
     """A ``vllm.LLM`` on a MoE model with vLLM's default multiprocess engine core, running the
     backend."""
     checkpoint = T.save_checkpoint(moe_model("qwen3_moe"), tmp_path_factory.mktemp("moe") / "ck")
-    with T.multiproc_llm(checkpoint, weight_transfer_config={"backend": "weightsync"}) as llm:
+    with processes.multiproc_llm(
+        checkpoint, weight_transfer_config={"backend": "weightsync"}
+    ) as llm:
         yield llm
 
 

@@ -24,12 +24,12 @@ if TYPE_CHECKING:
     from . import errors as errors
     from . import policy as policy
     from .plan import Plan as Plan
-    from .state import Syncer as Syncer
     from .strategies import AdapterSync as AdapterSync
     from .strategies import FullSync as FullSync
     from .strategies import ReloadWeights as ReloadWeights
     from .strategies import Strategy as Strategy
     from .strategies import SyncReport as SyncReport
+    from .syncer import Syncer as Syncer
     from .trainer import peft_support as peft_support
 
 _EXPORTS = {
@@ -41,7 +41,7 @@ _EXPORTS = {
         "SyncReport",
     ),
     ".plan": ("Plan",),
-    ".state": ("Syncer",),
+    ".syncer": ("Syncer",),
     ".errors": ("errors",),
     ".policy": ("policy",),
     ".trainer.peft_support": ("peft_support",),

@@ -42,8 +42,8 @@ from . import errors
 from .engines.base import Attestation, Engine, EngineFacts, adapt
 from .execute import SyncReport, execute
 from .plan import Adapter, Plan
-from .state import Syncer
 from .strategies.base import Strategy
+from .syncer import Syncer
 from .trainer.gather import full
 
 _CONTINUE, _DONE, _ABORT = 0, 1, 2

@@ -21,12 +21,13 @@ import os
 import tempfile
 from typing import Any
 
-# Ray on loopback only (weightsync.testing.ray_cluster); read when Ray is imported.
+# Ray on loopback only (benchmarks.processes.ray_cluster); read when Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 
+from benchmarks.processes import ray_cluster
 from weightsync import testing as T
-from weightsync.integrations.ray import WeightsyncActor, actor_llm
+from weightsync.engines.vllm.ray import WeightsyncActor, actor_llm
 
 
 class LLMRayActor(WeightsyncActor):
@@ -59,7 +60,7 @@ class PolicyModelActor:
     def set_vllm_engines(self, engines: list[Any]) -> None:
         from weightsync import Syncer
         from weightsync.engines import Replicas
-        from weightsync.integrations.ray import RayVLLMEngine
+        from weightsync.engines.vllm.ray import RayVLLMEngine
 
         self.engine = Replicas([RayVLLMEngine(e) for e in engines])
         self.syncer = Syncer(self.engine, train_type="full")
@@ -106,5 +107,5 @@ def main(*, steps: int = 3, engines: int = 1) -> list[str]:
 
 
 if __name__ == "__main__":
-    with T.ray_cluster(1):
+    with ray_cluster(1):
         print(main())

@@ -25,15 +25,16 @@ import os
 import tempfile
 from typing import Any
 
-# Ray on loopback only (weightsync.testing.ray_cluster); read when Ray is imported.
+# Ray on loopback only (benchmarks.processes.ray_cluster); read when Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 from torch import nn
 
+from benchmarks.processes import ray_cluster
 from weightsync import Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas
-from weightsync.integrations.ray import AsyncWeightsyncActor, RayVLLMEngine
+from weightsync.engines.vllm.ray import AsyncWeightsyncActor, RayVLLMEngine
 
 
 class AsyncVLLMInferenceEngine(AsyncWeightsyncActor):
@@ -127,5 +128,5 @@ def main(*, steps: int = 3, engines: int = 2) -> list[str]:
 
 
 if __name__ == "__main__":
-    with T.ray_cluster(1):
+    with ray_cluster(1):
         print(main())

@@ -23,12 +23,13 @@ import os
 import tempfile
 from typing import Any
 
-# Ray on loopback only (weightsync.testing.ray_cluster); read when Ray is imported.
+# Ray on loopback only (benchmarks.processes.ray_cluster); read when Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 
+from benchmarks.processes import ray_cluster
 from weightsync import testing as T
-from weightsync.integrations.ray import WeightsyncActor, actor_llm
+from weightsync.engines.vllm.ray import WeightsyncActor, actor_llm
 
 #: verl's LoRA set-up for the actor (``actor_rollout_ref.model.lora_rank`` and friends).
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}
@@ -59,7 +60,7 @@ class ActorRolloutRefWorker:
         from transformers import AutoModelForCausalLM
 
         from weightsync import Syncer
-        from weightsync.integrations.ray import RayVLLMEngine
+        from weightsync.engines.vllm.ray import RayVLLMEngine
 
         base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="float32")
         self.model = get_peft_model(base, LoraConfig(**LORA, init_lora_weights=False))
@@ -115,5 +116,5 @@ def main(*, steps: int = 3) -> list[str]:
 
 
 if __name__ == "__main__":
-    with T.ray_cluster(1):
+    with ray_cluster(1):
         print(main())

@@ -383,7 +383,7 @@ _BUILTIN = (
     "weightsync.engines.vllm.inprocess",
     "weightsync.engines.vllm.remote",
     "weightsync.engines.vllm.asyncllm",
-    "weightsync.integrations.ray",
+    "weightsync.engines.vllm.ray.engine",
 )
 
 

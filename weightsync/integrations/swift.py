@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..engines.vllm.inprocess import VLLMEngine
-from ..state import Syncer
+from ..syncer import Syncer
 
 #: ``tuner_type`` values whose trained weights weightsync knows how to send: every weight, or a
 #: peft LoRA adapter on a frozen base. Others (longlora, adalora, reft, vera, boft, ...) train

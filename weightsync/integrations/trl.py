@@ -37,7 +37,7 @@ from ..engines.vllm.server import VLLMServerEngine
 from ..engines.vllm.server_auth import HEADER as TOKEN_HEADER
 from ..engines.vllm.server_auth import TOKEN_ENV
 from ..engines.vllm.transports import Transport
-from ..state import Syncer
+from ..syncer import Syncer
 
 
 def use_weightsync(

@@ -8,7 +8,8 @@ them (oneDNN's prepacked weight, its scales) in its own post-load processing. Se
 weights is silent garbage (vLLM casts them and leaves ``weight_scale`` as it was; vllm#19020),
 so a sync into it must send what a checkpoint of the trainer's weights quantized to that scheme
 would hold. That is what this module produces, and the correctness oracle of such a sync is an
-engine started from exactly that checkpoint (`quantized_checkpoint`).
+engine started from exactly that checkpoint (the tests' and benchmarks' oracle,
+``benchmarks/quantized.py``).
 
 Schemes are an allowlist (`SCHEMES`), keyed on the compressed-tensors parameters that decide the
 tensors' bytes; a config with anything else (another strategy, asymmetric weights, static input
@@ -28,7 +29,7 @@ group of input columns:
 A checkpoint made by llm-compressor need not be byte-equal to these (compressed-tensors'
 ``calculate_qparams`` divides int8 by 127.5, for one): the engine may start from it, but after a
 sync it serves the trainer's current weights quantized here, and the oracle of a sync is an
-engine started from exactly that (`quantized_checkpoint`).
+engine started from exactly that.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,8 +165,8 @@ class Scheme:
         return torch.nn.functional.linear(self.tokens(x.float()), self.dequantized(w, dtype))
 
     def config(self, ignore: Iterable[str] = ("lm_head",)) -> dict[str, Any]:
-        """The ``quantization_config`` of a checkpoint in this scheme (what `quantized_checkpoint`
-        writes, and what `scheme_of` recognises)."""
+        """The ``quantization_config`` of a checkpoint in this scheme (what `scheme_of`
+        recognises)."""
         group: dict[str, Any] = {"targets": ["Linear"], "weights": dict(self.weight)}
         if self.activations is not None:
             group["input_activations"] = dict(self.activations)
@@ -449,7 +449,7 @@ def quantized(
     A quantized weight is computed when its bucket is reached from the tensor a checkpoint in
     the engine's dtype would hold (the trainer's weight cast once, a merged LoRA weight merged in
     float32 and cast once): what quantizing a ``save_pretrained`` checkpoint of the trainer gives,
-    so an engine started from that checkpoint quantized (`quantized_checkpoint`) is the oracle.
+    so an engine started from that checkpoint quantized is the oracle.
     Its ``inputs`` are the source's, so skipping unchanged layers works as for unquantized ones.
 
     Raises:
@@ -485,45 +485,3 @@ def quantized(
 def _taker(parts: _Parts, part: str) -> Callable[[torch.dtype], torch.Tensor]:
     # ``dtype`` is the engine's: the weight is produced in it, then quantized.
     return lambda dtype: parts.take(part, dtype)
-
-
-def quantized_checkpoint(
-    model: Any,
-    folder: str | Path,
-    scheme: Scheme,
-    *,
-    ignore: Iterable[str] = ("lm_head",),
-) -> str:
-    """Write ``model`` (a transformers causal LM, in the engine's dtype) as a compressed-tensors
-    checkpoint in ``scheme``: every ``nn.Linear`` outside ``ignore`` quantized as a sync
-    quantizes it, the rest as the model holds it. An engine started from it is the oracle of a
-    sync of ``model`` into an engine of that scheme. Returns the folder."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    skip = tuple(ignore)
-    linear = {
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and not any(name.split(".")[-1] == s for s in skip)
-    }
-    state = {}
-    for name, t in model.state_dict().items():
-        module = name.removesuffix(".weight")
-        if module != name and module in linear:
-            parts = scheme.quantize(t, t.dtype)
-            state.update({f"{module}.{part}": v for part, v in parts.items()})
-        else:
-            state[name] = t.detach().contiguous()
-    for old in folder.glob("*.safetensors"):
-        old.unlink()
-    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
-    # a tied lm_head is stored once, as save_pretrained stores it
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = scheme.config(skip)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return str(folder)

@@ -1,4 +1,5 @@
-"""``weightsync demo``: the bug this library exists for, and its fix, on a real vLLM engine.
+"""``python -m benchmarks.demo``: the bug this library exists for, and its fix, on a real vLLM
+engine.
 
 It builds a tiny random model, starts vLLM on it, trains (perturbs) a LoRA adapter, simulates a
 level-2 sleep (the engine's weights become garbage: vLLM's sleep is a no-op on CPU), shows the
@@ -12,15 +13,17 @@ import argparse
 import os
 import tempfile
 
+from .console import quiet_vllm
+
 
 def demo(arch: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from peft import LoraConfig, get_peft_model
 
-    from . import AdapterSync, Syncer
-    from . import testing as T
-    from .engines import VLLMEngine
-    from .errors import BaseDiscardedError
+    from weightsync import AdapterSync, Syncer
+    from weightsync import testing as T
+    from weightsync.engines import VLLMEngine
+    from weightsync.errors import BaseDiscardedError
 
     prompt = T.PROMPTS[0]
 
@@ -78,13 +81,14 @@ def demo(arch: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="show a level-2 wake's gibberish and weightsync's recovery")
-    d.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.demo",
+        description="a level-2 wake's gibberish on a real vLLM engine, and weightsync's recovery",
+    )
+    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        demo(args.arch)
+    quiet_vllm()
+    demo(args.arch)
 
 
 if __name__ == "__main__":

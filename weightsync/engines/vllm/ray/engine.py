@@ -1,0 +1,355 @@
+"""The trainer side of vLLM inside a Ray actor: `RayVLLMEngine`, an `Engine` over the actor's
+handle, which ``Syncer``, ``policy``, every strategy and ``Replicas`` take like any engine
+(``adapt`` takes the raw handle too once this module is imported). It is `RemoteVLLMEngine`
+with two halves of its own: `RayControl` (each `Control` call forwarded to the actor, see
+``actor.py``) and `RayObjectStoreTransport` (the bytes through Ray's object store, as
+``wire.stream``'s frames, streamed to the actor through a Ray queue). Why: docs/ray.md.
+
+Deadlines: every actor call waits at most ``timeout_s``. An actor that died (killed, its node
+lost) or did not answer in time raises `EngineUnavailableError`, never a Ray error; an error the
+actor's code raised is raised as itself. Ray authenticates nobody by default: the tags make
+sure the bytes loaded are those the caller of ``weightsync_call`` put (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .... import timing
+from ....errors import EngineUnavailableError
+from ....plan import Bucket
+from ....wire import format as fmt
+from ....wire import stream
+from ....wire.delta import SentCopies, WireCount
+from ....wire.stream import Kind
+from ....wire.tags import Signer
+from ...base import register
+from ..control import Control
+from ..remote import RemoteVLLMEngine
+from ..transports import Rpc, Transport
+from .actor import DELTA_DROP, DELTA_STATE, LOAD_STREAM, RECEIVE_ADAPTER, TIMEOUT_S
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RayControl", "RayObjectStoreTransport", "RayVLLMEngine"]
+
+#: The most bytes of one streamed payload (`RayObjectStoreTransport`'s ``piece_bytes``).
+PIECE_BYTES = 64 << 20
+
+
+class RayControl(Control):
+    """The `Control` calls made on a `WeightsyncActor` through its handle, each with a
+    deadline.
+
+    Args:
+        actor: the handle of an actor whose class inherits `WeightsyncActor`.
+        timeout_s: how long one call may take.
+
+    Every call raises `EngineUnavailableError` when the actor is dead (killed, its node lost)
+    or does not answer within ``timeout_s``; an error the actor's code raised is raised as
+    itself (Ray's wrapper is taken off)."""
+
+    def __init__(self, actor: Any, *, timeout_s: float = TIMEOUT_S) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"the Ray actor {self.actor!r}"  # Actor(<class>, <actor id>)
+
+    def call(self, call: str, *args: Any) -> Any:
+        """``weightsync_call(call, *args)`` on the actor, within the deadline."""
+        import ray
+        from ray import exceptions as rex
+
+        try:
+            return ray.get(self.actor.weightsync_call.remote(call, *args), timeout=self.timeout_s)
+        except rex.RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+        except rex.GetTimeoutError as err:
+            raise EngineUnavailableError(
+                f"{self!r} did not answer {call} within {self.timeout_s:g} s: it is hung, "
+                "overloaded or busy with a long call; nothing more was sent to it"
+            ) from err
+        except rex.RayError as err:  # the actor died, its node is gone, its objects are lost
+            raise EngineUnavailableError(
+                f"{self!r} does not answer ({call}): {type(err).__name__}: {err}. The actor is "
+                "gone; create a new one (and a new engine adapter for it)"
+            ) from err
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return list(self.call("rpc", method, kwargs))
+
+    def pause(self) -> None:
+        self.call("pause")
+
+    def resume(self) -> None:
+        self.call("resume")
+
+    def reset_prefix_cache(self) -> None:
+        self.call("reset_prefix_cache")
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.call("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.call("unload_lora", name)
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, lora: str | None
+    ) -> list[tuple[list[int], list[float]]]:
+        return list(self.call("generate", prompts, max_tokens, lora))
+
+    def score(
+        self, prompts: list[list[int]], top_k: int, lora: str | None
+    ) -> list[list[dict[int, float]]]:
+        return list(self.call("score", prompts, top_k, lora))
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call("is_sleeping"))
+
+    def sleep(self, level: int) -> None:
+        self.call("sleep", level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.call("wake_up", tags)
+
+    def label(self, version: str) -> None:
+        """Give an ``AsyncLLM`` in the actor ``version`` as vLLM's weight-version label of
+        the tokens generated next (`AsyncLLMControl.label`); an ``LLM`` has none."""
+        self.call("label", version)
+
+
+class RayObjectStoreTransport(Transport):
+    """Buckets through Ray's object store, streamed: each piece packed and tagged here as a
+    ``wire.stream`` frame, ``ray.put``, its reference sent through a channel (a Ray queue: a
+    synchronous actor runs one call at a time, so the load call, once running, is handed more
+    references this way) to the actor's load call, which fetches, checks and loads it while
+    this side packs the next.
+
+    Args:
+        tagged: tag every piece (``wire.tags``); the actor checks each before loading it, and
+            the stream's end (how many came).
+        delta: put only the changed words of a piece whose base the actor holds
+            (``wire.delta``; the actor keeps a writable copy of every piece, so one copy of the
+            weights stays on each side between syncs); needs ``tagged``.
+        piece_bytes: the most bytes one payload carries (a strategy's bucket is cut into
+            pieces of whole tensors; a larger tensor travels alone): the grain at which
+            packing here, Ray's transfer and the actor's reload overlap.
+
+    Raises:
+        ValueError: ``delta`` without ``tagged``; ``piece_bytes`` not positive.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self, *, tagged: bool = True, delta: bool = False, piece_bytes: int = PIECE_BYTES
+    ) -> None:
+        if delta and not tagged:
+            raise ValueError(
+                "RayObjectStoreTransport(delta=True) needs tagged=True: a patched bucket is "
+                "proven byte-identical to the whole one by the whole bucket's tag"
+            )
+        if piece_bytes <= 0:
+            raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
+        self.tagged = tagged
+        self.piece_bytes = piece_bytes
+        self._copies = SentCopies() if delta else None
+        self._rpc: Rpc | None = None
+        self._channel: Any = None
+
+    @property
+    def last_sync(self) -> WireCount | None:
+        """What the last send put in the store (delta transports only)."""
+        return None if self._copies is None else self._copies.last
+
+    def connect(self, rpc: Rpc, world_size: int) -> None:
+        self._rpc = rpc
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        """Stream the pieces of ``buckets``: the actor's load call starts first (in a thread
+        here) and loads each piece as it comes. A piece the trainer fails to produce, or an
+        actor that stops early, ends the stream with the first error raised here; the actor
+        then abandons its reload as on any failed write (docs/failure-modes.md)."""
+        signer = Signer() if self.tagged else None
+        copies = self._copies
+        sync_id = ""
+        if copies is not None:
+            sync_id = copies.begin([o.value for o in rpc(DELTA_STATE, {})])
+        try:
+            self._stream(rpc, _pieces(buckets, self.piece_bytes), signer, sync_id)
+        except BaseException:
+            if copies is not None:
+                copies.reset()
+            raise
+        if copies is not None:
+            copies.commit()
+
+    def _stream(
+        self, rpc: Rpc, pieces: Iterable[Bucket], signer: Signer | None, sync_id: str
+    ) -> None:
+        import ray
+
+        channel = self._open_channel()
+        start = {"channel": channel, "key": signer.key_hex if signer else "", "delta": sync_id}
+        refs: list[Any] = []  # held until the actor has loaded them
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-ray-load") as pool:
+            loading = pool.submit(rpc, LOAD_STREAM, start)
+            try:
+                for piece in pieces:
+                    if loading.done():
+                        break  # the actor stopped early: its error is raised below
+                    with timing.span("serialize"):
+                        kind, payload, tag = stream.frame(piece, signer, self._copies)
+                        # put copies the payload into the store: a kept one may change after
+                        refs.append(ray.put(payload))
+                    _put(channel, (int(kind), refs[-1], tag))
+                else:
+                    end = stream.end_tag(signer, len(refs)) if signer else ""
+                    _put(channel, (int(Kind.END), len(refs), end))
+            except BaseException as error:
+                self._channel = None  # its leftovers must not meet the next sync
+                try:
+                    _put(channel, (int(Kind.ABORT), f"{type(error).__name__}: {error}"))
+                    loading.exception()  # the actor's reload abandoned; the trainer's error wins
+                finally:
+                    _shut(channel)
+                raise
+            try:
+                loading.result()
+            except BaseException:
+                self._channel = None
+                _shut(channel)
+                raise
+
+    def _open_channel(self) -> Any:
+        """The stream's channel: a Ray queue on this node (an actor of its own, no CPU
+        reserved), made at the first sync and again after a failed one."""
+        if self._channel is None:
+            import ray
+            from ray.util.queue import Queue
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), False)
+            self._channel = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        return self._channel
+
+    def put_adapter(
+        self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
+    ) -> str | None:
+        """The adapter through the object store; the actor writes it to a folder on its own
+        node (its LoRA loader reads folders) and that path is returned."""
+        import ray
+
+        signer = Signer() if self.tagged else None
+        with timing.span("serialize"):
+            payload = fmt.pack(list(tensors.items())).numpy()
+            tag = signer.sign(payload) if signer is not None else ""
+            ref = ray.put(payload)
+        kwargs: dict[str, Any] = {
+            "ref": ref,
+            "version": version,
+            "config": json.dumps(config, default=str),
+        }
+        if signer is not None:
+            kwargs |= {"key": signer.key_hex, "tag": tag}
+        return str(rpc(RECEIVE_ADAPTER, kwargs)[0].value)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            _shut(self._channel)
+            self._channel = None
+        if self._copies is not None and self._rpc is not None:
+            try:
+                self._rpc(DELTA_DROP, {})  # the actor's copy of the weights
+            except Exception:  # closing must not fail on a dead actor
+                logger.warning("weightsync: dropping the actor's kept copies failed", exc_info=True)
+            self._copies.reset()
+
+
+def _pieces(buckets: Iterable[Bucket], limit: int) -> Iterator[Bucket]:
+    """Each bucket cut into consecutive pieces of whole tensors, each at most ``limit`` bytes
+    (a larger tensor alone); the same buckets give the same pieces (deltas compare them)."""
+    for bucket in buckets:
+        piece: Bucket = []
+        size = 0
+        for name, tensor in bucket:
+            nbytes = tensor.numel() * tensor.element_size()
+            if piece and size + nbytes > limit:
+                yield piece
+                piece, size = [], 0
+            piece.append((name, tensor))
+            size += nbytes
+        if piece:
+            yield piece
+
+
+def _put(channel: Any, entry: tuple) -> None:
+    """One frame into the stream's channel (its kind a plain int: the queue's actor need not
+    import weightsync); a channel gone (its actor died) is a weightsync error."""
+    from ray import exceptions as rex
+
+    try:
+        channel.put(entry)
+    except rex.RayError as err:
+        raise EngineUnavailableError(f"the sync's channel (a Ray queue) is gone: {err}") from err
+
+
+def _shut(channel: Any) -> None:
+    """Stop the channel's actor (closing must not fail: it may be gone already)."""
+    try:
+        channel.shutdown(force=True)
+    except Exception:
+        logger.warning("weightsync: stopping the sync's channel failed", exc_info=True)
+
+
+@register
+class RayVLLMEngine(RemoteVLLMEngine):
+    """A ``vllm.LLM`` inside a Ray actor (its class inherits `WeightsyncActor`), reached
+    through the actor's handle (docs/ray.md).
+
+    Args:
+        actor: the actor's handle.
+        transport: ``"ray"`` (the object store, any node), or another `Transport` the actor's
+            workers can be reached by (``"tmpfs"`` on the trainer's node, ``"gloo"``).
+        timeout_s: how long one actor call may take (`RayControl`).
+        kwargs: as for `RemoteVLLMEngine` (``lora_name``, ...).
+    """
+
+    name = "vllm-ray"
+    control: RayControl
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        if not type(obj).__module__.startswith("ray"):
+            return False
+        from ray.actor import ActorHandle
+
+        return isinstance(obj, ActorHandle) and hasattr(obj, "weightsync_call")
+
+    def __init__(
+        self,
+        actor: Any,
+        *,
+        transport: str | Transport = "ray",
+        timeout_s: float = TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        self.actor = actor
+        chosen = RayObjectStoreTransport() if transport == "ray" else transport
+        super().__init__(RayControl(actor, timeout_s=timeout_s), transport=chosen, **kwargs)
+
+    def describe(self) -> str:
+        return f"{super().describe()} in {self.control!r} (bytes: {self.transport.name})"
+
+    def _written(self, version: str | None) -> None:
+        """Label the outputs of an ``AsyncLLM`` in the actor with the version the write left,
+        before it resumes (as `AsyncLLMEngine` does in process)."""
+        if version is not None:
+            self.control.label(version)
