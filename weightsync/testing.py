@@ -260,3 +260,75 @@ def count_writes(engine: Engine | Any) -> Iterator[list[str]]:
         yield writes
     finally:
         del llm.collective_rpc, core.add_lora, core.remove_lora
+
+
+@torch.no_grad()
+def check_engine_contract(engine: Engine | Any, model: nn.Module, *, atol: float = 1e-3) -> None:
+    """Drive ``engine`` as weightsync drives every engine and assert the promise at each step:
+    the test an engine adapter must pass (docs/engine-contract.md).
+
+    ``model`` is the trainer's model the engine was started from (a dense causal LM in the
+    engine's architecture; it is trained here, so pass a copy you can spare). Checked, in order:
+    the engine serves ``model`` as it starts; a sync into sleeping weights is refused and
+    leaves what it served; full syncs after no sleep, a level-1 and a level-2 sleep, each
+    verified (`Engine.score_batch`) and each then serving exactly the trainer's greedy tokens
+    (`Engine.greedy_batch`); a stream whose shapes the engine does not hold is refused before
+    anything is written; a snapshot of the weights it started from reloaded
+    (`Engine.reload_checkpoint`).
+
+    Raises:
+        AssertionError: the engine broke the promise (which step, and what it served).
+    """
+    import copy
+    import tempfile
+
+    from .errors import EngineAsleepError, VerificationError, WeightMismatchError
+    from .strategies import FullSync, ReloadWeights
+    from .syncer import Syncer
+
+    engine = adapt(engine)
+    started = copy.deepcopy(model)
+    assert_matches(model, engine, atol=atol)
+
+    def served() -> list[tuple[list[int], list[float]]]:
+        return engine.greedy_batch(PROMPTS, 8)
+
+    before = served()
+    engine.sleep(1)
+    try:
+        FullSync().sync(model, engine)
+    except EngineAsleepError:
+        pass
+    else:
+        raise AssertionError("a sync into sleeping weights was not refused")
+    engine.wake_up()
+    assert served() == before, "a refused sync into sleeping weights changed what is served"
+
+    syncer = Syncer(engine, train_type="full", verify=True)
+    for step, level in enumerate([0, 1, 2]):
+        perturb(model, seed=100 + step)
+        if level:
+            engine.sleep(level)
+            engine.wake_up()
+        try:
+            report = syncer.sync(model)
+        except VerificationError as err:
+            raise AssertionError(f"the sync after a level-{level} sleep: {err}") from err
+        assert report.verified_logprob_diff is not None
+        assert_matches(model, engine, atol=atol)
+
+    before = served()
+    wrong = copy.deepcopy(model)
+    name, param = next(iter(wrong.named_parameters()))
+    param.data = torch.zeros(param.shape[0] + 1, *param.shape[1:], dtype=param.dtype)
+    try:
+        FullSync().sync(wrong, engine)
+    except WeightMismatchError:
+        pass
+    else:
+        raise AssertionError(f"a stream with {name} of another shape was not refused")
+    assert served() == before, "a refused sync changed what the engine serves"
+
+    with tempfile.TemporaryDirectory(prefix="weightsync-contract-") as snapshot:
+        ReloadWeights(snapshot_dir=snapshot).sync(started, engine)
+    assert_matches(started, engine, atol=atol)

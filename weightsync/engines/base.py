@@ -1,77 +1,35 @@
-"""What a rollout engine must offer so that every strategy can sync into it.
+"""The trainer's record of an engine, kept the same way for every adapter: `Engine`.
 
-An adapter wraps one engine the trainer already created; strategies talk to the adapter only,
-so adding an engine (SGLang, a remote server) means writing one class here and registering it,
-without touching the policy or the strategies.
-
-The adapter reports the engine's *state* as the engine attests it, never as a picture the
+The contract an adapter implements is `weightsync.engines.contract.EngineContract`; `Engine`
+adds what the trainer side keeps about the engine between syncs, and every adapter subclasses
+it. The record holds the engine's *state* as the engine attests it, never as a picture the
 trainer keeps: a sync must never write into sleeping weight memory (on a GPU that memory is
 unmapped: trl#5142), after a level-2 sleep the base weights are gone until something restores
 them all (vllm#29341), and anyone -- another client, the framework, vLLM itself -- may have
 slept, woken or rewritten the engine since weightsync last looked. An engine that can attest
 keeps an *epoch* that every sleep, wake, reload, restart and weight write advances (for vLLM:
-``engines/vllm/in_engine/ledger.py``, inside its workers); one that cannot is assumed to have lost its
-base at any time. Both are checked by `Engine.check_writable` before any strategy writes.
+``engines/vllm/in_engine/ledger.py``, inside its workers); one that cannot is assumed to have
+lost its base at any time. Both are checked by `Engine.check_writable` before any strategy
+writes.
 """
 
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, cast
-
-import torch
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import replace
+from typing import Any, cast
 
 from ..errors import BaseDiscardedError, EngineAsleepError
-from ..plan import Adapter, Bucket
-from ..wire.protocol import EngineFacts
+from .contract import Attestation, EngineContract, EngineFacts
 
-__all__ = ["Attestation", "Engine", "EngineFacts", "adapt", "register"]
+__all__ = ["Attestation", "Engine", "EngineContract", "EngineFacts", "adapt", "register"]
 
 
-@dataclass(frozen=True)
-class Attestation:
-    """What an engine reports about its own weights at the moment of asking.
-
-    Attributes:
-        epoch: an opaque value that changes whenever anything may have changed the weights
-            (a sleep, wake, reload, restart or weight write, by anyone); None when the engine
-            cannot attest one (then nothing it holds may be skipped).
-        asleep: the memory tags ("weights", "kv_cache") asleep now.
-        harm: the worst that happened to the base since the last completed base restore:
-            0 nothing, 1 level-1 sleeps only (weights kept), 2 the weights may be lost or
-            replaced (a level-2 sleep, a write by anyone, a restart, or unknown).
-        adapters: the adapter writes the engine counted (loads and in-place replacements, by
-            anyone); part of the engine's version, not of the base's record.
+class Engine(EngineContract):
+    """A rollout engine seen from the trainer: the adapter's contract (`EngineContract`) and
+    the trainer's record of the engine, so every engine enforces the same lifecycle rules.
     """
-
-    epoch: Hashable | None
-    asleep: frozenset[str]
-    harm: int
-    adapters: int = 0
-
-
-class Engine(ABC):
-    """A rollout engine seen from the trainer.
-
-    Subclasses implement the engine calls; the sleep bookkeeping lives here so every engine
-    enforces the same lifecycle rules.
-    """
-
-    #: Name under which the adapter is registered (see `register`).
-    name: ClassVar[str]
-
-    #: The engine may load while another engine of this process loads. False for engines that
-    #: load one at a time (in-process vLLM engines share modules): `Replicas` then buffers the
-    #: stream for them instead of waiting on them.
-    loads_concurrently: ClassVar[bool] = True
-
-    @classmethod
-    def accepts(cls, obj: Any) -> bool:
-        """Whether this adapter can wrap the raw engine ``obj`` (used by `adapt`)."""
-        return False
 
     def __init__(self) -> None:
         #: Epoch the engine attested right after the last completed base restore; harm is
@@ -88,140 +46,7 @@ class Engine(ABC):
         #: What the engine attested when `check_writable` last let a write through.
         self._checked: Attestation | None = None
 
-    # --- what the engine holds -------------------------------------------------------------
-
-    @property
-    @abstractmethod
-    def facts(self) -> EngineFacts:
-        """What the engine loads and serves, read from the engine itself (see `EngineFacts`).
-
-        Every check a plan makes is against these: ``weights`` is the contract a full sync is
-        checked against before anything is written (a name outside it, a name of it missing
-        from the stream, or a different shape is an error); whatever is sent under one group
-        of ``tied`` must be one tensor in the trainer too, or the engine cannot hold it."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the engine computes in; weights are sent in it, cast once."""
-        return cast("torch.dtype", getattr(torch, self.facts.dtype))
-
-    @property
-    def expected_weights(self) -> Mapping[str, tuple[int, ...]]:
-        """Checkpoint name -> shape of every weight the engine loads."""
-        return self.facts.weights
-
-    @property
-    def shared_weights(self) -> list[tuple[str, ...]]:
-        """Groups of names the engine holds as *one* tensor (tied embeddings)."""
-        return list(self.facts.tied)
-
-    @property
-    def serves_lora(self) -> bool:
-        """The engine applies a LoRA adapter at generation time (vLLM ``enable_lora``)."""
-        return self.facts.lora is not None
-
-    @property
-    def keeps_unsent_layers(self) -> bool:
-        """A write that leaves some layers out leaves them as they were, so a sync may skip
-        the layers the engine attests it still holds exactly (``strategies.base.unchanged``)."""
-        return self.facts.keeps_unsent_layers
-
-    def describe(self) -> str:
-        """One line naming the engine, for plans and logs."""
-        lora = ", serves LoRA" if self.serves_lora else ""
-        return (
-            f"{self.name} engine ({str(self.dtype).removeprefix('torch.')}{lora}{self.quantized})"
-        )
-
-    @property
-    def quantized(self) -> str:
-        """``", <how it quantizes>"`` for a quantized engine (see `Quantization`), else ``""``:
-        what every description of the engine appends after its dtype."""
-        q = self.facts.quantized
-        return f", {q}" if q is not None else ""
-
-    @property
-    def weights_version(self) -> str | None:
-        """The version of the weights the engine serves now, as the engine itself reports it
-        (equal versions: the same weights), for tagging rollouts; None for an engine that
-        reports none (the default). Engines with weightsync's worker extension derive it from
-        the epoch their workers attest (`weightsync.engines.vllm.remote.RemoteVLLMEngine`)."""
-        return None
-
-    @property
-    def written_version(self) -> str | None:
-        """The version the last completed write left, as the engine attested it at the end of
-        that write (what `Syncer` reports: asking again after every sync would cost another
-        round of calls). This default asks now (`weights_version`)."""
-        return self.weights_version
-
-    def checkpoint_head(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The first row of each named tensor in the checkpoint `reload_checkpoint`
-        reloads, for a cheap check that the trainer's base is still that checkpoint. An engine
-        that cannot read its checkpoint returns ``{}`` (the check then rests on the PEFT set-up
-        alone)."""
-        return {}
-
-    # --- writing ------------------------------------------------------------------------------
-
-    @abstractmethod
-    def load_weights(self, buckets: Iterable[Bucket]) -> int:
-        """Load checkpoint-format weights, re-running the engine's post-load processing.
-
-        ``buckets`` is consumed lazily, in order. If it raises part-way, the error propagates
-        and the engine holds a mix of old and new weights: the caller must treat the base as
-        unsynced. Returns the number of engine calls made.
-        """
-
-    @abstractmethod
-    def check_adapter(self, adapter: Adapter) -> None:
-        """Raise `AdapterError` if the engine cannot serve ``adapter``.
-        Called before anything is written, so a bad adapter loses nothing."""
-
-    @abstractmethod
-    def load_adapter(self, adapter: Adapter) -> int:
-        """Replace the served adapter with ``adapter`` under a stable id, in place.
-
-        Re-adding an id without in-place replacement silently keeps the old adapter (vLLM);
-        an implementation must make the new one take effect. Returns the engine calls made.
-        """
-
-    @abstractmethod
-    def reload_checkpoint(self, path: str | None = None) -> int:
-        """Have the engine re-read weights from a checkpoint folder: its original one when
-        ``path`` is None. Returns the engine calls made."""
-
-    @abstractmethod
-    def greedy_batch(
-        self, prompts: list[list[int]], max_tokens: int
-    ) -> list[tuple[list[int], list[float]]]:
-        """Greedy-decode ``max_tokens`` tokens for each prompt (with the served adapter, if
-        any), in one engine call, and return them with their logprobs. Used to verify a sync
-        against the trainer."""
-
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """`greedy_batch` for one prompt."""
-        return self.greedy_batch([prompt_ids], max_tokens)[0]
-
-    @abstractmethod
-    def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
-        """The engine's prompt logprobs (teacher forcing, with the served adapter, if any), in
-        one engine call, computed under the weights served now (no cached KV reused).
-
-        For each prompt, one dict per position ``i`` in ``1 .. len(prompt) - 1``: token id ->
-        logprob of the engine's next-token distribution after ``prompt[:i]``, holding
-        ``prompt[i]`` and the ``top_k`` most likely tokens (vLLM ``prompt_logprobs=top_k``).
-        Verification compares these with the trainer's over many positions, which sees a
-        defect far below what a few greedy tokens show (a one-step-stale head in bf16).
-        """
-
-    # --- lifecycle ----------------------------------------------------------------------------
-
-    @abstractmethod
-    def _engine_sleep(self, level: int) -> None: ...
-
-    @abstractmethod
-    def _engine_wake(self, tags: list[str] | None) -> None: ...
+    # --- the lifecycle, as the trainer records it -------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
         """Put the engine to sleep (an engine that attests its epoch records it itself)."""
@@ -255,20 +80,15 @@ class Engine(ABC):
         self._known_harm = 2
         self.forget()
 
-    # --- what the engine attests --------------------------------------------------------------
-
-    def _attest(self, since: Hashable | None) -> Attestation:
-        """What the engine itself reports now, with the worst harm since epoch ``since``
-        (None: all the engine has on record). The default is an engine that can attest
-        nothing: its weights may have been discarded at any time (harm 2), and only the sleeps
-        made through this adapter are known. Override to read the engine's own record."""
-        return Attestation(None, frozenset(self._own_asleep), 2)
+    # --- what the engine attests, with what the trainer knows ---------------------------------
 
     def attest(self) -> Attestation:
         """The engine's epoch, sleeping tags and the worst harm to its base since the last
         completed base restore, as the engine reports them *now* (never a cached picture),
         with what the trainer side knows on top (reported sleeps, failed writes)."""
         a = self._attest(self._restored_at)
+        if a.epoch is None:  # no record of its own: the sleeps made through this adapter count
+            a = replace(a, asleep=a.asleep | self._own_asleep)
         return replace(a, harm=max(a.harm, self._known_harm))
 
     @property

@@ -353,9 +353,9 @@ class RemoteVLLMEngine(Engine):
         counts as lost at any time -- unless the caller owns it (``exclusive``), when the
         sleeps made through this adapter and those reported are taken as all there were."""
         if self.stock:
+            # No epoch: the record adds the sleeps made through this adapter (`Engine.attest`).
             asleep = {"weights", "kv_cache"} if self.control.is_sleeping() else set()
-            reported = super()._attest(since)  # the sleeps made through this adapter
-            return Attestation(None, reported.asleep | asleep, 0 if self.exclusive else 2)
+            return Attestation(None, frozenset(asleep), 0 if self.exclusive else 2)
         try:
             outcomes = self.rpc(
                 "weightsync_attest",
