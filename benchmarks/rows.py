@@ -204,7 +204,7 @@ ROWS: list[Row] = [
         "weightsync",
         "server_wt_files",
         "dense",
-        "WeightTransferTransport(client, 'files'): vLLM's weight-transfer routes to weightsync's "
+        "WeightTransferFiles(client): vLLM's weight-transfer routes to weightsync's "
         "backend, the next bucket written while the server loads the last",
     ),
     Row(

@@ -28,7 +28,7 @@ from weightsync.engines import (
     Replicas,
     TmpfsTransport,
     VLLMServerEngine,
-    WeightTransferTransport,
+    WeightTransferFiles,
 )
 
 from .models import ModelSpec
@@ -152,7 +152,7 @@ class ServerEngines:
             return server(urls[0], GlooTransport(tagged=which == "server_gloo"))
         if which == "server_wt_files":
             client = HTTPControl(urls[0], token=token)
-            return server(urls[0], WeightTransferTransport(client, "files"))
+            return server(urls[0], WeightTransferFiles(client))
         first = self._engines.get("replicas_1")
         first = first.engines[0] if first else server(urls[0], "tmpfs")
         if which == "replicas_1":

@@ -27,7 +27,7 @@ from weightsync.engines import (
     GlooTransport,
     HTTPControl,
     VLLMServerEngine,
-    WeightTransferTransport,
+    WeightTransferFiles,
 )
 from weightsync.errors import AuthError, BytesRejectedError
 from weightsync.wire import gloo
@@ -67,7 +67,7 @@ def engines(server):
     transports = {
         "tmpfs": lambda: "tmpfs",
         "gloo": lambda: GlooTransport(),
-        "weight-transfer": lambda: WeightTransferTransport(HTTPControl(server.url, token=TOKEN)),
+        "weight-transfer": lambda: WeightTransferFiles(HTTPControl(server.url, token=TOKEN)),
     }
 
     def engine(path: str) -> VLLMServerEngine:

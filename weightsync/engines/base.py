@@ -207,6 +207,15 @@ _BUILTIN = (
 )
 
 
+def instance_of(obj: Any, module: str, name: str) -> bool:
+    """Whether ``obj`` is an instance of ``module.name``, importing ``module`` only when the type
+    of ``obj`` comes from that library (`Engine.accepts` must not import vLLM or Ray for
+    another engine's objects)."""
+    if not type(obj).__module__.startswith(module.split(".", 1)[0]):
+        return False
+    return isinstance(obj, getattr(importlib.import_module(module), name))
+
+
 def adapt(engine: Any) -> Engine:
     """Wrap a raw engine object (e.g. a ``vllm.LLM``) in the registered adapter that accepts it;
     an `Engine` is returned as it is."""

@@ -74,7 +74,7 @@ def use_weightsync(
         token: server mode: weightsync's token for the server (default: the one TRL's client
             was given by `server_mode`, else ``WEIGHTSYNC_TOKEN``), see `VLLMServerEngine`.
         transport: server mode: how the bytes travel (``"tmpfs"``: same host, ``"gloo"``: any
-            host, or a `Transport` such as ``WeightTransferTransport``).
+            host, or a `Transport` such as ``WeightTransferGloo``).
         allow_unauthenticated: server mode: use a server reached over the network without a
             token (see `VLLMServerEngine`).
 

@@ -192,30 +192,24 @@ def _args(
     }
 
 
+def _per_channel(
+    name: str, dtype: torch.dtype, lo: float, hi: float, kind: str, form: str
+) -> Scheme:
+    """A W8A8 scheme: weights per output channel (``scale = absmax / hi``), activations
+    quantized per token by the engine."""
+    return Scheme(
+        name, dtype, lo, hi, hi, _args(kind, "channel", False), _args(kind, "token", True), form
+    )
+
+
 #: The allowlist: every scheme weightsync quantizes to, by name. Each has a test on a real
 #: vLLM engine against the fresh-engine oracle (tests/test_quantized_vllm.py, docs/quantized.md).
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
-        Scheme(
-            "W8A8-INT8 per-channel",
-            torch.int8,
-            -128.0,
-            127.0,
-            127.0,
-            _args("int", "channel", False),
-            _args("int", "token", True),
-            "int-quantized",
-        ),
-        Scheme(
-            "FP8 per-channel",
-            torch.float8_e4m3fn,
-            -448.0,
-            448.0,
-            448.0,
-            _args("float", "channel", False),
-            _args("float", "token", True),
-            "float-quantized",
+        _per_channel("W8A8-INT8 per-channel", torch.int8, -128.0, 127.0, "int", "int-quantized"),
+        _per_channel(
+            "FP8 per-channel", torch.float8_e4m3fn, -448.0, 448.0, "float", "float-quantized"
         ),
         *(
             Scheme(

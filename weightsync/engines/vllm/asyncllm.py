@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from ...errors import EngineUnavailableError
-from ..base import register
+from ..base import instance_of, register
 from .control import (
     Control,
     LoraIds,
@@ -232,11 +232,7 @@ class AsyncLLMEngine(RemoteVLLMEngine):
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
-        if not type(obj).__module__.startswith("vllm"):
-            return False
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        return isinstance(obj, AsyncLLM)
+        return instance_of(obj, "vllm.v1.engine.async_llm", "AsyncLLM")
 
     def __init__(
         self,

@@ -16,7 +16,8 @@ left paused -- never resume a broken engine -- and `EngineBrokenError` says so; 
 no longer answers at all (a dead Ray actor or engine core) raises `EngineUnavailableError`.
 
 The engine's facts (`EngineFacts`) come from the worker extension, read from the model vLLM
-built, not from the caller; a server without the extension is a *stock* server (``stock.py``).
+built, not from the caller; a server without the extension is a `StockServerEngine`
+(``stock.py``), which overrides what the extension does here.
 
 Which weights produced a rollout: `RemoteVLLMEngine.weights_version`, a version the engine
 attests, never one counted on the trainer's side -- the workers' ledger epoch (moved by every
@@ -24,7 +25,7 @@ sleep, wake, reload and weight write, by anyone) and the adapter ids the workers
 loads do not move the epoch). Each completed write also records the version attested at its end,
 while the engine is still paused (`RemoteVLLMEngine.written_version`): that is the version of
 what the write put there, read once, and what `weightsync.Syncer` reports, so a sync costs no
-second round of calls for its version. A stock server keeps no ledger: its version is None.
+second round of calls for its version.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from ...wire.protocol import EngineFacts, Outcome, raise_failures
 from ...wire.scratch import private_dir, scratch_dir
 from ...wire.tags import Signer
 from ..base import Attestation, Engine, register
-from . import stock
 from .control import (
     WORKER_EXTENSION,
     Control,
@@ -57,7 +57,7 @@ from .control import (
     since_arg,
     version_label,
 )
-from .transports import TmpfsTransport, Transport, make_transport
+from .transports import Transport, make_transport
 
 
 class RemoteVLLMEngine(Engine):
@@ -71,11 +71,6 @@ class RemoteVLLMEngine(Engine):
             path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`, or,
             with the gloo transport, a folder on the engine's host the adapters are sent to.
         lora_name: the name the served adapter is loaded under (requests use it as ``model``).
-        exclusive: for a stock server (no worker extension, so no attested epoch): the caller
-            owns it and every sleep goes through this adapter (`sleep`) or is reported
-            (`mark_asleep`), so an adapter-only sync may follow a sync. Without it a stock
-            server's base counts as lost at every sync (a full sync each time). Ignored when
-            the engine attests its epoch.
     """
 
     name = "vllm-remote"
@@ -87,14 +82,10 @@ class RemoteVLLMEngine(Engine):
         transport: str | Transport = "tmpfs",
         adapter_dir: str | None = None,
         lora_name: str = "weightsync",
-        exclusive: bool = False,
     ) -> None:
         super().__init__()
         self.control = control
-        self.exclusive = exclusive
         self._facts = self._read_facts(transport)
-        #: No worker extension: writes go through vLLM's own ``reload_weights`` (tmpfs only).
-        self.stock = not self._facts.attests
         self.transport = make_transport(transport)
         self.transport.connect(self.rpc, self._facts.world_size)
         self._adapter_dir = adapter_dir
@@ -163,21 +154,19 @@ class RemoteVLLMEngine(Engine):
     def weights_version(self) -> str | None:
         """The version of the weights the engine serves now, as its workers attest it (see the
         module docstring): equal versions, the same weights. Asked anew at every read (one
-        call, two when the engine serves LoRA); None on a stock server."""
+        call, two when the engine serves LoRA)."""
         return self._version_now()
 
     @property
     def written_version(self) -> str | None:
         """The version attested at the end of the last completed write, while the engine was
-        still paused; None before one, after a failed one, and on a stock server."""
+        still paused; None before one and after a failed one."""
         return self._written_version
 
     def _version_now(self) -> str | None:
         """The workers' epoch, the adapter writes they counted and, if LoRA is enabled, the
         adapter ids they hold (vLLM's own ``list_loras`` on every worker: the engine's listing,
         not this adapter's record)."""
-        if self.stock:
-            return None
         now = self.attest()
         ids = adapter_ids(self.control.rpc("list_loras")) if self.serves_lora else set()
         return version_label(now.epoch, ids, now.adapters)
@@ -198,63 +187,47 @@ class RemoteVLLMEngine(Engine):
             self._written_version = self._version_now()
             self._written(self._written_version)
         except BaseException as error:
-            if self.stock and base:
-                self.mark_lost()
-                raise stock.broken(what, error) from error
-            try:
-                if not self.stock:  # idempotent; the workers did it already
-                    self.rpc("weightsync_abandon")
-                self.control.reset_prefix_cache()
-            except EngineUnavailableError:  # gone (a dead actor or core): nothing to restore
-                self.mark_lost()
-                raise
-            except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
-                raise EngineBrokenError(
-                    f"{what} failed ({error}) and restoring the engine's unfinished layers failed "
-                    f"too ({recovery}); the engine is left paused. Restart it."
-                ) from error
-            if base:  # a mix of old and new layers: only a full restore may follow
-                self.mark_lost()
-            self.control.resume()
+            self._recover(what, error, base=base)
             raise
         self.control.reset_prefix_cache()
         self.control.resume()
 
+    def _recover(self, what: str, error: BaseException, *, base: bool) -> None:
+        """After ``write`` failed in `_paused_write`: restore the unfinished layers (idempotent:
+        the workers did it already), reset the prefix cache and resume serving what the engine
+        holds; the caller raises ``error`` then. If the engine cannot be restored it is left
+        paused and `EngineBrokenError` is raised instead."""
+        try:
+            self._abandon()
+            self.control.reset_prefix_cache()
+        except EngineUnavailableError:  # gone (a dead actor or core): nothing to restore
+            self.mark_lost()
+            raise
+        except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
+            raise EngineBrokenError(
+                f"{what} failed ({error}) and restoring the engine's unfinished layers failed "
+                f"too ({recovery}); the engine is left paused. Restart it."
+            ) from error
+        if base:  # a mix of old and new layers: only a full restore may follow
+            self.mark_lost()
+        self.control.resume()
+
+    def _abandon(self) -> None:
+        """Have the workers restore the layers a failed write left unfinished."""
+        self.rpc("weightsync_abandon")
+
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
-        if self.stock:
-            assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
-            # Every byte is on tmpfs before the server is touched, each tied tensor under all
-            # its names: vLLM's reload restores lm_head apart from embed_tokens.
-            self._stock_reload("load_weights", self.transport.stage(buckets, aliases=False)[0])
-            return 1
         self._forget_adapter()
         self._paused_write("load_weights", lambda: self.transport.send(self.rpc, buckets))
         return 1
 
     def reload_checkpoint(self, path: str | None = None) -> int:
-        if self.stock:
-            assert isinstance(self.transport, TmpfsTransport)  # checked in _read_facts
-            folder = stock.stage_checkpoint(
-                self.transport, path or self._facts.checkpoint, self.shared_weights
-            )
-            self._stock_reload("reload_checkpoint", folder)
-            return 1
         self._forget_adapter()
         self._paused_write(
             "reload_checkpoint",
             lambda: self.rpc("weightsync_reload_checkpoint", {"path": path or ""}),
         )
         return 1
-
-    def _stock_reload(self, what: str, folder: Path) -> None:
-        """A write through vLLM's own ``reload_weights`` of a staged ``folder`` in every worker;
-        the folder is removed after, whatever happens."""
-        kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
-        try:
-            self._forget_adapter()
-            self._paused_write(what, lambda: self.rpc("reload_weights", kwargs))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
 
     def check_adapter(self, adapter: Adapter) -> None:
         lora = self._facts.lora
@@ -299,7 +272,7 @@ class RemoteVLLMEngine(Engine):
             folder = self._adapter_root / f"adapter-v{self._version:06d}"
             with timing.span("serialize"):
                 fmt.write_adapter(folder, adapter.tensors.items(), adapter.config)
-            if self.transport.tagged and not self.stock:
+            if self.transport.tagged:
                 self._check_folder(folder)
             path = str(folder)
         assert path is not None
@@ -348,14 +321,7 @@ class RemoteVLLMEngine(Engine):
     # --- lifecycle ----------------------------------------------------------------------------
 
     def _attest(self, since: Hashable | None) -> Attestation:
-        """From the workers' ledgers (``ledger.py``). A stock server keeps none: it can say
-        only whether it sleeps now (a bool, no level, also true while paused), so its base
-        counts as lost at any time -- unless the caller owns it (``exclusive``), when the
-        sleeps made through this adapter and those reported are taken as all there were."""
-        if self.stock:
-            # No epoch: the record adds the sleeps made through this adapter (`Engine.attest`).
-            asleep = {"weights", "kv_cache"} if self.control.is_sleeping() else set()
-            return Attestation(None, frozenset(asleep), 0 if self.exclusive else 2)
+        """From the workers' ledgers (``ledger.py``)."""
         try:
             outcomes = self.rpc(
                 "weightsync_attest",

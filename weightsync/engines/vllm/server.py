@@ -2,8 +2,9 @@
 
 Start it with ``VLLM_SERVER_DEV_MODE=1`` (the ``/collective_rpc``, ``/pause``, ``/sleep``
 routes), ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` if it serves LoRA, and ``--worker-extension-cls
-weightsync.engines.vllm.worker.WeightsyncWorker``; without the extension it is a stock server
-(``stock.py``). Writing, recovery and adapters are `RemoteVLLMEngine`'s (``remote.py``).
+weightsync.engines.vllm.worker.WeightsyncWorker``; a server without the extension is a
+`StockServerEngine` (``stock.py``). Writing, recovery and adapters are `RemoteVLLMEngine`'s
+(``remote.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from urllib.parse import urlparse
 
 from ...errors import AuthError, EngineUnavailableError
 from ...wire.protocol import EngineFacts
-from . import stock
 from .control import TOKEN_MIDDLEWARE, WORKER_EXTENSION, HTTPControl
 from .remote import RemoteVLLMEngine
 from .server_auth import TOKEN_ENV
-from .transports import TmpfsTransport, Transport
+from .transports import Transport
 
 
 def is_loopback(host: str) -> bool:
@@ -91,23 +91,22 @@ class VLLMServerEngine(RemoteVLLMEngine):
         super().__init__(control, transport=transport, **kwargs)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
-        """From the worker extension if the server loaded it, else from the server's config
-        and the model folder it serves (a stock server: tmpfs only)."""
+        """From the worker extension; a server without it is named as such (an error the
+        server answered, a refused token among them, is raised as it is)."""
         try:
             return EngineFacts.from_json(self.rpc("weightsync_facts")[0].value)
-        except EngineUnavailableError:
-            raise
         except RuntimeError as e:
-            if "weightsync_facts" not in str(e):
-                raise  # not a missing extension (no dev mode, server down): say so as it is
-        if not (transport == "tmpfs" or isinstance(transport, TmpfsTransport)):
-            raise ValueError(
-                f"transport={transport!r} needs weightsync's worker extension in the server, "
-                f"which this one did not load: start it with --worker-extension-cls "
-                f"{WORKER_EXTENSION}, or use transport='tmpfs' (same host or shared filesystem)"
-            )
-        return stock.facts(self.control)
+            if isinstance(e, EngineUnavailableError) or "weightsync_facts" not in str(e):
+                raise
+            raise RuntimeError(
+                f"the server's workers do not answer weightsync_facts ({e}): start it with "
+                f"--worker-extension-cls {WORKER_EXTENSION} and VLLM_SERVER_DEV_MODE=1; a server "
+                "that cannot be restarted with it: StockServerEngine(url) syncs it through "
+                "vLLM's own reload_weights (tmpfs only; a full sync every time)"
+            ) from e
 
     def describe(self) -> str:
-        how = "stock server, vLLM's reload_weights" if self.stock else "worker extension"
-        return f"{super().describe()} at {self.control.base_url} ({how})"
+        return f"{super().describe()} at {self.control.base_url} ({self.writes_through})"
+
+    #: How this engine's weights are written, for `describe`.
+    writes_through = "worker extension"

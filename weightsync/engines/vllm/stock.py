@@ -1,4 +1,5 @@
-"""A stock ``vllm serve`` server: no weightsync worker extension, so no epoch of its own.
+"""A stock ``vllm serve`` server: no weightsync worker extension, so no epoch of its own
+(`StockServerEngine`).
 
 Reached with ``transport="tmpfs"`` only. Its facts come from its dev-mode ``/server_info`` and
 the model folder it serves (`facts`), and bytes go through vLLM's own
@@ -6,23 +7,113 @@ the model folder it serves (`facts`), and bytes go through vLLM's own
 names: vLLM's reload restores ``lm_head`` apart from ``embed_tokens``). Every byte is written to
 tmpfs before the server is touched; but if vLLM's reload then fails, nothing can restore its
 unfinished layers, so the server is left paused (`broken`). With no ledger, its base counts as
-lost at every sync unless the caller owns it (``exclusive``, see ``remote.py``).
+lost at every sync unless the caller owns it (``exclusive``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Hashable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ...errors import EngineBrokenError
+from ...plan import Bucket
 from ...wire import format as fmt
 from ...wire.protocol import EngineFacts, LoraLimits, Quantization
+from ..base import Attestation, register
 from .control import WORKER_EXTENSION, HTTPControl
 from .in_engine import checkpoint as ckpt
 from .in_engine.model_ops import fold_tied, tied_parameter_names
-from .transports import TmpfsTransport
+from .server import VLLMServerEngine
+from .transports import TmpfsTransport, Transport
+
+
+@register
+class StockServerEngine(VLLMServerEngine):
+    """A ``vllm serve`` without weightsync's worker extension, synced through vLLM's own
+    ``reload_weights`` of a folder staged in RAM (``transport="tmpfs"`` only: same host or a
+    shared filesystem).
+
+    What it cannot do, having no extension in its workers: attest an epoch (nothing is ever
+    skipped; its base counts as lost at every sync, so every sync is a full one, unless
+    ``exclusive``), report a version (`weights_version` is None), check the bytes' tags, or
+    restore the layers of a reload that failed part-way (it is left paused: `broken`).
+
+    Args:
+        base_url, token, allow_unauthenticated: as for `VLLMServerEngine`.
+        exclusive: the caller owns the server and every sleep goes through this adapter
+            (`sleep`) or is reported (`mark_asleep`), so an adapter-only sync may follow a
+            sync. Without it the base counts as lost at every sync.
+        **kwargs: as for `VLLMServerEngine` (``transport`` must be ``"tmpfs"`` or a
+            `TmpfsTransport`).
+    """
+
+    name = "vllm-stock-server"
+    writes_through = "stock server, vLLM's reload_weights"
+    transport: TmpfsTransport
+
+    def __init__(self, base_url: str, *, exclusive: bool = False, **kwargs: Any) -> None:
+        self.exclusive = exclusive
+        super().__init__(base_url, **kwargs)
+
+    def _read_facts(self, transport: str | Transport) -> EngineFacts:
+        if not (transport == "tmpfs" or isinstance(transport, TmpfsTransport)):
+            raise ValueError(
+                f"transport={transport!r} needs weightsync's worker extension in the server; a "
+                f"stock server is reached with transport='tmpfs' (same host or shared "
+                f"filesystem). Start it with --worker-extension-cls {WORKER_EXTENSION} for more"
+            )
+        return facts(self.control)
+
+    def _version_now(self) -> str | None:
+        return None  # no ledger: nothing the server could attest
+
+    def _attest(self, since: Hashable | None) -> Attestation:
+        """It can say only whether it sleeps now (a bool, no level, also true while paused),
+        so its base counts as lost at any time -- unless the caller owns it (``exclusive``):
+        then the sleeps made through this adapter and those reported (which `Engine.attest`
+        adds to an attestation without an epoch) are taken as all there were."""
+        asleep = {"weights", "kv_cache"} if self.control.is_sleeping() else set()
+        return Attestation(None, frozenset(asleep), 0 if self.exclusive else 2)
+
+    def load_weights(self, buckets: Iterable[Bucket]) -> int:
+        # Every byte is on tmpfs before the server is touched, each tied tensor under all its
+        # names: vLLM's reload restores lm_head apart from embed_tokens.
+        self._reload("load_weights", self.transport.stage(buckets, aliases=False)[0])
+        return 1
+
+    def reload_checkpoint(self, path: str | None = None) -> int:
+        source = path or self.facts.checkpoint
+        self._reload(
+            "reload_checkpoint", stage_checkpoint(self.transport, source, self.shared_weights)
+        )
+        return 1
+
+    def _reload(self, what: str, folder: Path) -> None:
+        """A write through vLLM's own ``reload_weights`` of a staged ``folder`` in every worker;
+        the folder is removed after, whatever happens."""
+        kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
+        try:
+            self._forget_adapter()
+            self._paused_write(what, lambda: self.rpc("reload_weights", kwargs))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _recover(self, what: str, error: BaseException, *, base: bool) -> None:
+        if base:  # vLLM's reload failed part-way: nothing can restore its unfinished layers
+            self.mark_lost()
+            raise broken(what, error) from error
+        super()._recover(what, error, base=base)
+
+    def _abandon(self) -> None:
+        """Nothing to restore: an adapter swap that failed changed no layer."""
+
+    def _check_folder(self, folder: Path) -> None:
+        """No extension to check an adapter's files: vLLM's loader reads them as they are."""
 
 
 def facts(control: HTTPControl) -> EngineFacts:

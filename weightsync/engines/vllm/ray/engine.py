@@ -29,7 +29,7 @@ from ....wire import stream
 from ....wire.delta import SentCopies, WireCount
 from ....wire.stream import Kind
 from ....wire.tags import Signer
-from ...base import register
+from ...base import instance_of, register
 from ..control import Control
 from ..remote import RemoteVLLMEngine
 from ..transports import Rpc, Transport
@@ -327,11 +327,7 @@ class RayVLLMEngine(RemoteVLLMEngine):
 
     @classmethod
     def accepts(cls, obj: Any) -> bool:
-        if not type(obj).__module__.startswith("ray"):
-            return False
-        from ray.actor import ActorHandle
-
-        return isinstance(obj, ActorHandle) and hasattr(obj, "weightsync_call")
+        return instance_of(obj, "ray.actor", "ActorHandle") and hasattr(obj, "weightsync_call")
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ workers get) times a carrier (how the bytes travel):
 |---|---|---|
 | `TmpfsTransport` | worker extension | files in a RAM folder (kept between syncs, or fresh) |
 | `GlooTransport` | worker extension | a gloo group, trainer rank 0 (any host) |
-| `WeightTransferTransport` | vLLM's weight-transfer API, ``"weightsync"`` backend | files or gloo |
+| `WeightTransferFiles`, `WeightTransferGloo` | vLLM's weight-transfer API, ``"weightsync"`` backend | files; a gloo group |
 
 One file each (``tmpfs.py``, ``gloo.py``, ``weight_transfer.py``); ``base.py`` holds the
 `Transport` interface and the steps they share.
@@ -29,7 +29,12 @@ from __future__ import annotations
 from .base import Rpc, Transport
 from .gloo import GlooTransport
 from .tmpfs import TmpfsTransport
-from .weight_transfer import LLMWeightSyncClient, WeightTransferTransport
+from .weight_transfer import (
+    LLMWeightSyncClient,
+    WeightTransferFiles,
+    WeightTransferGloo,
+    WeightTransferTransport,
+)
 
 __all__ = [
     "GlooTransport",
@@ -37,6 +42,8 @@ __all__ = [
     "Rpc",
     "TmpfsTransport",
     "Transport",
+    "WeightTransferFiles",
+    "WeightTransferGloo",
     "WeightTransferTransport",
     "make_transport",
 ]

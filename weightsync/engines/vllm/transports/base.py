@@ -71,6 +71,21 @@ def drop_kept_copies(rpc: Rpc, copies: SentCopies, kwargs: dict[str, Any]) -> No
     copies.reset()
 
 
+def sent_copies(delta: bool, tagged: bool, who: str) -> SentCopies | None:
+    """The trainer's kept copies of a transport that sends deltas (``delta``), else None.
+
+    Raises:
+        ValueError: ``delta`` without ``tagged``: the whole bucket's tag is what proves a patched
+            bucket byte-identical to the whole one.
+    """
+    if delta and not tagged:
+        raise ValueError(
+            f"{who}(delta=True) needs tagged=True: the whole bucket's tag proves a patched "
+            "bucket byte-identical to the whole one"
+        )
+    return SentCopies() if delta else None
+
+
 def signer_for(tagged: bool) -> Signer | None:
     """A signer with a key fresh for this sync, or None when the transport is untagged."""
     return Signer() if tagged else None

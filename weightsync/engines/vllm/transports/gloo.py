@@ -13,8 +13,16 @@ import torch
 
 from ....plan import Bucket
 from ....wire import gloo
-from ....wire.delta import SentCopies, WireCount
-from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, signer_for
+from ....wire.delta import WireCount
+from .base import (
+    Rpc,
+    Transport,
+    drop_kept_copies,
+    proof_args,
+    send_timed,
+    sent_copies,
+    signer_for,
+)
 
 
 class GlooTransport(Transport):
@@ -54,16 +62,11 @@ class GlooTransport(Transport):
         tagged: bool = True,
         delta: bool = False,
     ) -> None:
-        if delta and not tagged:
-            raise ValueError(
-                "GlooTransport(delta=True) needs tagged=True: a patched bucket is proven "
-                "byte-identical to the whole one by the whole bucket's tag"
-            )
+        self._copies = sent_copies(delta, tagged, "GlooTransport")
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
         self.tagged = tagged
-        self._copies = SentCopies() if delta else None
         self._rpc: Rpc | None = None
         self._group: Any = None
         self._store: Any = None

@@ -23,15 +23,10 @@ from ....wire.protocol import InitInfo, Outcome, UpdateInfo, raise_failures
 from ....wire.scratch import private_dir, scratch_dir
 from ....wire.tags import Signer
 from ..in_engine.backend import result_file
-from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, signer_for
+from . import base
+from .base import Rpc, Transport
 
 logger = logging.getLogger(__name__)
-
-
-def _one_of(what: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
-    return value
 
 
 class LLMWeightSyncClient:
@@ -79,80 +74,32 @@ def _call(client: Any, method: str, *args: Any) -> Any:
 
 
 class WeightTransferTransport(Transport):
-    """Buckets through vLLM's weight-transfer API to the ``"weightsync"`` backend.
+    """Buckets through vLLM's weight-transfer API to the ``"weightsync"`` backend, carried by
+    files (`WeightTransferFiles`) or a gloo group (`WeightTransferGloo`): construct one of those.
 
-    Every write is one update: ``start_weight_update``, then the buckets (``inner="files"``: one
-    ``update_weights`` per safetensors file in a RAM folder, the next bucket written while the
-    workers load the last, so at most two are on disk; ``inner="gloo"``: one ``update_weights``
-    while the buckets are broadcast), then ``finish_weight_update``, after which every worker's
-    outcome is read back (files, or an all-gather over gloo) and a failure is raised. If the
-    trainer fails part-way it tells the workers to abandon the update before finishing it.
+    Every write is one update: ``start_weight_update``, then the buckets, then
+    ``finish_weight_update``, after which every worker's outcome is read back and a failure is
+    raised. If the trainer fails part-way it tells the workers to abandon the update before
+    finishing it.
 
     ``finish_weight_update`` does not reset vLLM's prefix cache (measured): the engine's write
     path (``RemoteVLLMEngine``) pauses, sends, resets it and resumes around `send`.
 
-    Args:
-        client: a ``VLLMWeightSyncClient``: vLLM's ``HTTPVLLMWeightSyncClient(url)`` for a server
-            started with ``--weight-transfer-config '{"backend": "weightsync"}'``, or
-            `LLMWeightSyncClient` for an ``LLM(weight_transfer_config=...)``.
-        inner: ``"files"`` (same host or a shared filesystem) or ``"gloo"`` (any host).
-        root: files: a folder the workers read at the same path; defaults to a fresh
-            ``/dev/shm/weightsync-*`` folder, removed by `close`.
-        host: gloo: address the trainer listens on and the workers connect to.
-        port: gloo: the rendezvous port (0: a free one).
-        timeout_s: gloo: how long an operation waits for a peer before failing.
-        tagged: tag every bucket (``wire.tags``): the key and a file's tag travel in the
-            ``update_weights`` payload, a stream's tags in the stream.
-        delta: gloo: send only the changed words of a bucket whose base every worker's backend
-            holds (``wire.delta``, as `GlooTransport`); needs ``tagged``. The trainer asks the
-            workers for their copies' id through weightsync's worker extension (vLLM's four
-            calls cannot answer), so the engine needs that extension too.
-
-    Raises:
-        ValueError: ``delta`` with ``inner="files"`` or without ``tagged``.
-
-    With a server, pass an ``HTTPControl(url, token=...)`` as ``client`` when the server checks
-    weightsync's token (vLLM's own HTTP client sends none).
+    ``client`` is a ``VLLMWeightSyncClient``: vLLM's ``HTTPVLLMWeightSyncClient(url)`` for a
+    server started with ``--weight-transfer-config '{"backend": "weightsync"}'``, or
+    `LLMWeightSyncClient` for an ``LLM(weight_transfer_config=...)``. With a server, pass an
+    ``HTTPControl(url, token=...)`` instead when the server checks weightsync's token (vLLM's
+    own HTTP client sends none). ``tagged``: tag every bucket (``wire.tags``): the key and a
+    file's tag travel in the ``update_weights`` payload, a stream's tags in the stream.
     """
 
-    def __init__(
-        self,
-        client: Any,
-        inner: str = "files",
-        *,
-        root: str | Path | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout_s: float = 300.0,
-        tagged: bool = True,
-        delta: bool = False,
-    ) -> None:
+    def __init__(self, client: Any, *, tagged: bool = True) -> None:
         self.client = client
-        self.inner = _one_of("inner", inner, ("files", "gloo"))
-        if delta and (inner != "gloo" or not tagged):
-            raise ValueError(
-                "WeightTransferTransport(delta=True) needs inner='gloo' (the workers patch "
-                "their kept copies as the stream arrives) and tagged=True (the whole bucket's "
-                "tag proves a patched bucket byte-identical)"
-            )
-        self._copies = SentCopies() if delta else None
-        self._rpc: Rpc | None = None
-        self.name = f"weight-transfer:{inner}"
-        self.host, self.port, self.timeout_s = host, port, timeout_s
         self.tagged = tagged
-        self.root: Path | None = None
-        self._owned = inner == "files" and root is None
-        if inner == "files":
-            self.root = (
-                private_dir(root) if root is not None else scratch_dir(self, "weight-transfer")
-            )
+        self._copies: SentCopies | None = None
+        self._rpc: Rpc | None = None
         self._world_size = 0
-        self._updates = 0
-        self._group: Any = None
-        self._store: Any = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-weight-transfer")
-
-    # --- set-up -------------------------------------------------------------------------------
 
     @property
     def last_sync(self) -> WireCount | None:
@@ -162,22 +109,14 @@ class WeightTransferTransport(Transport):
     def connect(self, rpc: Rpc, world_size: int) -> None:
         self._world_size = world_size
         self._rpc = rpc
-        if self.inner == "files":
-            _call(self.client, "init_weight_transfer_engine", asdict(InitInfo()))
-            return
-        size = world_size + 1
+        self._join(world_size)
 
-        def join(port: int, secret: str) -> Future:
-            info = InitInfo(
-                host=self.host, port=port, world_size=size, timeout_s=self.timeout_s, secret=secret
-            )
-            return self._pool.submit(
-                _call, self.client, "init_weight_transfer_engine", asdict(info)
-            )
+    def _join(self, world_size: int) -> None:
+        """``init_weight_transfer_engine`` as the carrier needs it."""
+        raise NotImplementedError
 
-        self._group, self._store = gloo.open_group(self.host, self.port, size, self.timeout_s, join)
-
-    # --- one update -----------------------------------------------------------------------------
+    def _connected(self) -> bool:
+        return bool(self._world_size)
 
     def _start(self, rpc: Rpc) -> None:
         """``start_weight_update``; if a trainer that died mid-update left its update open (vLLM
@@ -197,32 +136,20 @@ class WeightTransferTransport(Transport):
             _call(self.client, "start_weight_update")
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
-        if not self._world_size or (self.inner == "gloo" and self._group is None):
+        if not self._connected():
             raise RuntimeError(f"{type(self).__name__}.send before connect (or after close)")
-        folder = None
-        if self.root is not None:
-            self._updates += 1
-            folder = self.root / f"update-{self._updates:06d}"
-            folder.mkdir(mode=0o700, parents=True)
-        signer = signer_for(self.tagged)
+        signer = base.signer_for(self.tagged)
         copies = self._copies
         delta = ""
         if copies is not None:  # deltas only if every worker holds the last sync's copies
             delta = copies.begin(o.value for o in rpc("weightsync_delta_state", {"backend": True}))
         try:
             self._start(rpc)
-            if folder is not None:
-                failure = self._stream_files(folder, buckets, signer)
-            else:
-                failure = self._stream_gloo(buckets, signer, delta)
-            outcomes = self._finish(folder)
+            failure, outcomes = self._update(buckets, signer, delta)
         except BaseException:
             if copies is not None:
                 copies.reset()
             raise
-        finally:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
         if copies is not None:
             if failure is None and all(o.ok for o in outcomes):
                 copies.commit()
@@ -239,7 +166,60 @@ class WeightTransferTransport(Transport):
             ),
         )
 
-    def _stream_files(
+    def _update(
+        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
+    ) -> tuple[BaseException | None, list[Outcome]]:
+        """The buckets of one started update, then its finish: the trainer-side failure (the
+        workers were told to abandon) and every worker's outcome."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._world_size = 0
+        self._pool.shutdown(wait=False)
+
+
+class WeightTransferFiles(WeightTransferTransport):
+    """`WeightTransferTransport` carried by files: one ``update_weights`` per safetensors file
+    in a RAM folder, the next bucket written while the workers load the last, so at most two
+    are on disk; every worker writes its outcome to a result file there. Same host, or a
+    shared filesystem.
+
+    Args:
+        client: see `WeightTransferTransport`.
+        root: a folder the workers read at the same path; defaults to a fresh
+            ``/dev/shm/weightsync-*`` folder, removed by `close`.
+        tagged: see `WeightTransferTransport`.
+    """
+
+    name = "weight-transfer:files"
+
+    def __init__(self, client: Any, root: str | Path | None = None, *, tagged: bool = True) -> None:
+        super().__init__(client, tagged=tagged)
+        self._owned = root is None
+        self.root = private_dir(root) if root is not None else scratch_dir(self, "weight-transfer")
+        self._updates = 0
+        self._folder = self.root  # the running update's folder (`send`)
+
+    def _join(self, world_size: int) -> None:
+        _call(self.client, "init_weight_transfer_engine", asdict(InitInfo()))
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        """The update's folder is made before the engine is touched and removed after."""
+        self._updates += 1
+        self._folder = self.root / f"update-{self._updates:06d}"
+        self._folder.mkdir(mode=0o700, parents=True)
+        try:
+            super().send(rpc, buckets)
+        finally:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _update(
+        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
+    ) -> tuple[BaseException | None, list[Outcome]]:
+        failure = self._stream(self._folder, buckets, signer)
+        return failure, self._finish(self._folder)
+
+    def _stream(
         self, folder: Path, buckets: Iterable[Bucket], signer: Signer | None
     ) -> BaseException | None:
         """Write and load the buckets one file each; returns the trainer-side failure."""
@@ -250,7 +230,7 @@ class WeightTransferTransport(Transport):
                 path = folder / bucket_name(i)
                 with timing.span("serialize"):
                     fmt.write(bucket, path)
-                    proof = proof_args(signer, [sign_file(signer, path)] if signer else None)
+                    proof = base.proof_args(signer, [sign_file(signer, path)] if signer else None)
                 if loading is not None and previous is not None:
                     loading.result()
                     previous.unlink()
@@ -273,32 +253,100 @@ class WeightTransferTransport(Transport):
                 logger.exception("weightsync: telling the workers to abandon the update failed")
             return error
 
-    def _stream_gloo(
+    def _finish(self, folder: Path) -> list[Outcome]:
+        """``finish_weight_update`` and every worker's outcome, from its result file."""
+        _call(self.client, "finish_weight_update")
+        outcomes = []
+        for rank in range(self._world_size):
+            path = result_file(folder, rank)
+            if not path.exists():
+                outcomes.append(Outcome.failed(_NO_OUTCOME, rank))
+            else:
+                outcomes.append(Outcome.from_bytes(path.read_bytes()))
+        return outcomes
+
+    def close(self) -> None:
+        super().close()
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class WeightTransferGloo(WeightTransferTransport):
+    """`WeightTransferTransport` carried by a gloo group (trainer rank 0, any host): one
+    ``update_weights`` while the buckets are broadcast as ``wire.stream``'s frames, every
+    worker's outcome all-gathered over the group.
+
+    Args:
+        client: see `WeightTransferTransport`.
+        host: address the trainer listens on and the workers connect to.
+        port: the rendezvous port (0: a free one).
+        timeout_s: how long an operation waits for a peer before failing.
+        tagged: see `WeightTransferTransport`.
+        delta: send only the changed words of a bucket whose base every worker's backend holds
+            (``wire.delta``, as `GlooTransport`); needs ``tagged``. The trainer asks the
+            workers for their copies' id through weightsync's worker extension (vLLM's four
+            calls cannot answer), so the engine needs that extension too.
+
+    Raises:
+        ValueError: ``delta`` without ``tagged``.
+    """
+
+    name = "weight-transfer:gloo"
+
+    def __init__(
+        self,
+        client: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 300.0,
+        *,
+        tagged: bool = True,
+        delta: bool = False,
+    ) -> None:
+        super().__init__(client, tagged=tagged)
+        self._copies = base.sent_copies(delta, tagged, "WeightTransferGloo")
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self._group: Any = None
+        self._store: Any = None
+
+    def _join(self, world_size: int) -> None:
+        size = world_size + 1
+
+        def join(port: int, secret: str) -> Future:
+            info = InitInfo(
+                host=self.host, port=port, world_size=size, timeout_s=self.timeout_s, secret=secret
+            )
+            return self._pool.submit(
+                _call, self.client, "init_weight_transfer_engine", asdict(info)
+            )
+
+        self._group, self._store = gloo.open_group(self.host, self.port, size, self.timeout_s, join)
+
+    def _connected(self) -> bool:
+        return super()._connected() and self._group is not None
+
+    def _update(
+        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
+    ) -> tuple[BaseException | None, list[Outcome]]:
+        failure = self._stream(buckets, signer, delta)
+        return failure, self._finish()
+
+    def _stream(
         self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
     ) -> BaseException | None:
         """Broadcast the buckets (``delta``: as deltas where the workers hold the base)
         while the workers receive; returns the trainer-side failure."""
-        update = asdict(UpdateInfo(gloo=True, delta=delta, **proof_args(signer)))
+        update = asdict(UpdateInfo(gloo=True, delta=delta, **base.proof_args(signer)))
         received = self._pool.submit(_call, self.client, "update_weights", update)
-        send_one = partial(send_timed, copies=self._copies)
+        send_one = partial(base.send_timed, copies=self._copies)
         try:
             gloo.send(self._group, buckets, received, send_one, signer)
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
             return error
         return None
 
-    def _finish(self, folder: Path | None) -> list[Outcome]:
-        """``finish_weight_update`` and every worker's outcome."""
-        if folder is not None:
-            _call(self.client, "finish_weight_update")
-            outcomes = []
-            for rank in range(self._world_size):
-                path = result_file(folder, rank)
-                if not path.exists():
-                    outcomes.append(Outcome.failed(_NO_OUTCOME, rank))
-                else:
-                    outcomes.append(Outcome.from_bytes(path.read_bytes()))
-            return outcomes
+    def _finish(self) -> list[Outcome]:
+        """``finish_weight_update`` and every worker's outcome, all-gathered over the group."""
         work, gathered = gloo.gather_outcomes(self._group, self._world_size + 1, Outcome())
         try:
             _call(self.client, "finish_weight_update")
@@ -312,7 +360,7 @@ class WeightTransferTransport(Transport):
 
     def close(self) -> None:
         if self._copies is not None and self._rpc is not None and self._group is not None:
-            drop_kept_copies(self._rpc, self._copies, {"backend": True})
+            base.drop_kept_copies(self._rpc, self._copies, {"backend": True})
         if self._group is not None:
             shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
             try:
@@ -321,7 +369,4 @@ class WeightTransferTransport(Transport):
             except Exception:  # closing must not fail on a stopped server
                 logger.warning("weightsync: shutdown_weight_transfer_engine failed", exc_info=True)
         self._group = self._store = None
-        self._world_size = 0
-        self._pool.shutdown(wait=False)
-        if self._owned and self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
+        super().close()
