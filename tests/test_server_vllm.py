@@ -170,8 +170,12 @@ def test_a_request_in_flight_survives_a_sync(engines, servers):
     import requests
 
     engine = engines(1, "tmpfs")
-    prompts = [[1, 2, 3, 4, 5 + i] for i in range(16)]
-    max_tokens = 500  # the server's --max-model-len is 512: a batch that decodes for ~1 s here
+    # The server's --max-model-len is 512, so a request decodes at most ~500 tokens; 48 of them
+    # decode for a few seconds here, long enough that the sync pauses them mid-way even when
+    # the trainer's process is slowed by other load (16 decoded in ~1 s, and a full CI run
+    # beside another test run saw every attempt finish before the pause).
+    prompts = [[1, 2, 3, 4, 5 + i] for i in range(48)]
+    max_tokens = 500
 
     def stream(out: dict[int, list[int]], finish: dict[int, str], first: threading.Event) -> None:
         body = {
