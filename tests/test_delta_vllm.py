@@ -20,6 +20,7 @@ from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import GlooTransport, VLLMMultiprocEngine
 from weightsync.errors import BytesRejectedError
+from weightsync.verify import check_engine
 from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
 
@@ -99,7 +100,8 @@ def test_a_small_step_sends_a_few_percent_and_loads_what_a_full_sync_loads(llm, 
     # loads whole patched buckets), only the worker's kept copy does.
     SYNC.sync(T.tiny_model("qwen2", seed=5), other)
     assert differs(model, delta)
-    SYNC.sync(model, delta, verify=True)  # verified against the trainer (bf16 tolerance)
+    SYNC.sync(model, delta)
+    check_engine(model, delta, strategy="delta")  # verified against the trainer (bf16 tolerance)
     count = sent(delta)
     assert count.full_buckets == 0 and count.delta_buckets == first.full_buckets
     assert count.bucket_bytes == first.bucket_bytes
@@ -118,17 +120,20 @@ def test_a_worker_without_the_copy_gets_every_bucket_whole(llm, engines):
     SYNC.sync(model, delta)
     step(model, optimizer, seed=2)
     other.rpc("weightsync_delta_drop")  # what a restarted worker holds: nothing
-    SYNC.sync(model, delta, verify=True)
+    SYNC.sync(model, delta)
+    check_engine(model, delta, strategy="delta")
     assert sent(delta).delta_buckets == 0
     # a sync that fails part-way (the trainer raises): both sides forget, the next is whole
     with pytest.raises(RuntimeError, match="injected"):
         delta.load_weights(bad_stream(model, delta, "trainer"))
     assert llm.collective_rpc("weightsync_delta_state")[0]["value"] is None
     step(model, optimizer, seed=3)
-    SYNC.sync(model, delta, verify=True)
+    SYNC.sync(model, delta)
+    check_engine(model, delta, strategy="delta")
     assert sent(delta).delta_buckets == 0
     step(model, optimizer, seed=4)
-    SYNC.sync(model, delta, verify=True)  # and deltas again after it
+    SYNC.sync(model, delta)
+    check_engine(model, delta, strategy="delta")  # and deltas again after it
     assert sent(delta).full_buckets == 0
     assert worker_copies(delta) == trainer_digests(model, delta)
 
@@ -146,7 +151,8 @@ def test_a_forged_delta_is_refused_and_the_next_sync_repairs(llm, engines, monke
         SYNC.sync(model, delta)
     monkeypatch.undo()
     assert delta.base_discarded  # stopped part-way: only a full restore may follow
-    SYNC.sync(model, delta, verify=True)
+    SYNC.sync(model, delta)
+    check_engine(model, delta, strategy="delta")
     assert sent(delta).delta_buckets == 0
     SYNC.sync(model, other)
     assert worker_copies(delta) == trainer_digests(model, delta)

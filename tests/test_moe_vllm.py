@@ -25,6 +25,7 @@ from weightsync.errors import UnsupportedModelError
 from weightsync.plan import Weight
 from weightsync.trainer.layout import lora_parameters, merged_parameter, to_checkpoint
 from weightsync.trainer.tensors import base_tensors
+from weightsync.verify import check_engine
 from weightsync.wire.checkpoint_names import Layout, checkpoint_layout
 
 FAMILIES = ["qwen3_moe", "mixtral"]
@@ -245,5 +246,6 @@ def test_online_fp8_linear_layers_with_bf16_experts_equal_a_fresh_engine(tmp_pat
     engine.wake_up()
     discard(engine)
     assert served() != oracle
-    FullSync().sync(trained, engine, verify=True)
+    FullSync().sync(trained, engine)
+    check_engine(trained, engine, strategy="FullSync")
     assert served() == oracle

@@ -148,7 +148,8 @@ def test_online_fp8_full_merged_lora_and_level2_equal_a_fresh_engine(fp8, traine
 def test_online_fp8_verify_passes_correct_and_catches_a_stale_weight(fp8, trained, base):
     engine, _ = fp8
     FullSync().sync(base, engine)
-    diff = FullSync().sync(trained, engine, verify=True).verified_logprob_diff
+    FullSync().sync(trained, engine)
+    diff = check_engine(trained, engine, strategy="FullSync")
     print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
     FullSync().sync(base, engine)
     stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
@@ -203,7 +204,7 @@ def test_an_fp8_kv_cache_engine_is_synced_exactly_and_not_verified_falsely(
     level2(engine)
     synced_exactly(FullSync(), trained, engine, oracle)
     with pytest.raises(VerificationError, match="no verification tolerance is measured"):
-        FullSync().sync(trained, engine, verify=True)
+        check_engine(trained, engine, strategy="FullSync")
     diff = check_engine(trained, engine, strategy="measured", tolerance=Tolerance(0.2, 2.0))
     print(f"mean |d logprob| of a correct sync {diff:.4f}")  # for the record (pytest -s)
 
@@ -270,7 +271,8 @@ def test_torchao_verify_passes_correct_and_catches_a_stale_weight(
     (`quantize.TorchAO`): a correct sync passes, a one-step-stale ``down_proj`` does not."""
     engine, _ = torchao_engines(config)
     FullSync().sync(base, engine)
-    diff = FullSync().sync(trained, engine, verify=True).verified_logprob_diff
+    FullSync().sync(trained, engine)
+    diff = check_engine(trained, engine, strategy="FullSync")
     print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
     FullSync().sync(base, engine)
     stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
@@ -396,12 +398,14 @@ def test_prequantized_verify_passes_correct_and_catches_a_stale_weight(prequanti
     isas = MEASURED_ON_CPU.get(scheme.name)
     if isas and not engine.facts.cpu.startswith(isas):
         # measured: a correct W8A8-INT8 sync scores 0.35 on an AVX2 CPU (tolerance 0.06)
+        FullSync().sync(trained, engine)
         with pytest.raises(VerificationError, match=rf"\({engine.facts.cpu}\) do not compute"):
-            FullSync().sync(trained, engine, verify=True)
+            check_engine(trained, engine, strategy="FullSync")
         pytest.skip(
             f"{scheme.name} is verified on {isas} CPUs only; this one is {engine.facts.cpu}"
         )
-    diff = FullSync().sync(trained, engine, verify=True).verified_logprob_diff
+    FullSync().sync(trained, engine)
+    diff = check_engine(trained, engine, strategy="FullSync")
     print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
     FullSync().sync(base, engine)
     stale_sync(trained, engine, "model.layers.1.mlp.down_proj.")
@@ -578,7 +582,8 @@ def test_verify_on_a_quantized_engine_serving_lora_passes_correct_and_catches_st
     else:
         engine = request.getfixturevalue("quantized_lora_engines")(name)[0]
     skip_unless_runnable(name, engine)
-    diff = FullSync(lora="separate").sync(lora, engine, verify=True).verified_logprob_diff
+    FullSync(lora="separate").sync(lora, engine)
+    diff = check_engine(lora, engine, strategy="FullSync(lora=separate)")
     print(f"verified mean |d logprob| {diff:.4f}")  # for the record (pytest -s)
     stepped = copy.deepcopy(lora)
     T.perturb(stepped, seed=9, scale=0.02)

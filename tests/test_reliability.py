@@ -208,7 +208,8 @@ def test_adapter_only_after_level2_is_refused(lora_engine, tell):
         sleep_level=lora_engine.sleep_level,
     )
     assert isinstance(strategy, FullSync)
-    strategy.sync(newer, lora_engine, verify=True)
+    strategy.sync(newer, lora_engine)
+    check_engine(newer, lora_engine, strategy=strategy.label)
     assert not lora_engine.base_discarded and lora_engine.sleep_level == 0
     T.assert_matches(newer, lora_engine, atol=ATOL)
 
@@ -429,7 +430,8 @@ def test_untied_head_trained_apart_reaches_the_engine(plain_engine):
     with torch.no_grad():  # train only the head, apart from the embeddings
         model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
     assert differs(model, plain_engine)
-    FullSync().sync(model, plain_engine, verify=True)
+    FullSync().sync(model, plain_engine)
+    check_engine(model, plain_engine, strategy="FullSync")
     T.assert_matches(model, plain_engine, atol=ATOL)
 
 
@@ -483,12 +485,12 @@ def test_tied_engine_refuses_a_trained_head_copy(tied_engine):
 def test_verify_passes_on_a_good_sync(lora_engine):
     model = lora_model(ARCH, seed=60, config=LORA)
     assert differs(model, lora_engine)
-    report = FullSync().sync(model, lora_engine, verify=True)
-    assert report.verified_logprob_diff is not None and report.verified_logprob_diff < 1e-3
+    FullSync().sync(model, lora_engine)
+    assert check_engine(model, lora_engine, strategy="FullSync") < 1e-3
     T.perturb(model, seed=61, scale=0.3)
     assert differs(model, lora_engine)
-    report = AdapterSync().sync(model, lora_engine, verify=True)
-    assert report.verified_logprob_diff < 1e-3
+    AdapterSync().sync(model, lora_engine)
+    assert check_engine(model, lora_engine, strategy="AdapterSync") < 1e-3
     assert check_engine(model, lora_engine, strategy="manual", step=3) < 1e-3
 
 

@@ -81,7 +81,9 @@ def test_gloo_needs_the_extension(server):
 def test_a_stock_server_is_not_taken_for_one_with_the_extension(server):
     """A server without the extension is named as such: the caller chooses StockServerEngine
     (full syncs through vLLM's reload) or restarts the server with the extension."""
-    with pytest.raises(RuntimeError, match=r"(?s)do not answer weightsync_facts.*StockServerEngine"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)do not answer weightsync_facts.*StockServerEngine"
+    ):
         VLLMServerEngine(server.url)
 
 

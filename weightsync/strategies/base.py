@@ -61,15 +61,16 @@ class Strategy(ABC):
         engine.check_writable(restores_base=self.restores_base, strategy=self.label)
         return self._plan(model, engine)
 
-    def sync(self, model: nn.Module, engine: Engine | Any, *, verify: bool = False) -> SyncReport:
+    def sync(self, model: nn.Module, engine: Engine | Any) -> SyncReport:
         """Make ``engine`` serve what ``model`` computes: `plan`, then `execute`.
+
+        Verification is one door, `weightsync.verify.check_engine` (which `Syncer` calls with
+        ``verify=True``): call it after this to compare the engine with ``model``.
 
         Args:
             model: a transformers causal LM or a ``peft.PeftModel``; never modified.
             engine: an `Engine`, or a raw engine object a registered
                 adapter accepts (a ``vllm.LLM``).
-            verify: afterwards compare the engine's logprobs on a canary prompt with the
-                model's and raise `VerificationError` on mismatch.
 
         Raises:
             WeightSyncError: whatever `plan` raises, before anything is written.
@@ -77,15 +78,7 @@ class Strategy(ABC):
         """
         engine = adapt(engine)
         start = time.perf_counter()
-        report = execute(self.plan(model, engine), engine, started=start)
-        if verify:
-            from ..verify import check_engine
-
-            diff = check_engine(model, engine, strategy=self.label)
-            report = SyncReport(
-                **{**report.to_dict(), "verified_logprob_diff": diff}, plan=report.plan
-            )
-        return report
+        return execute(self.plan(model, engine), engine, started=start)
 
     @abstractmethod
     def _plan(self, model: nn.Module, engine: Engine) -> Plan:
