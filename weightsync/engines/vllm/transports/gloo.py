@@ -14,15 +14,7 @@ import torch
 from ....plan import Bucket
 from ....wire import gloo
 from ....wire.delta import WireCount
-from .base import (
-    Rpc,
-    Transport,
-    drop_kept_copies,
-    proof_args,
-    send_timed,
-    sent_copies,
-    signer_for,
-)
+from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, sent_copies, signer_for
 
 
 class GlooTransport(Transport):

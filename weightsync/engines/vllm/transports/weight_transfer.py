@@ -23,8 +23,7 @@ from ....wire.protocol import InitInfo, Outcome, UpdateInfo, raise_failures
 from ....wire.scratch import private_dir, scratch_dir
 from ....wire.tags import Signer
 from ..in_engine.backend import result_file
-from . import base
-from .base import Rpc, Transport
+from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, sent_copies, signer_for
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class WeightTransferTransport(Transport):
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
         if not self._connected():
             raise RuntimeError(f"{type(self).__name__}.send before connect (or after close)")
-        signer = base.signer_for(self.tagged)
+        signer = signer_for(self.tagged)
         copies = self._copies
         delta = ""
         if copies is not None:  # deltas only if every worker holds the last sync's copies
@@ -230,7 +229,7 @@ class WeightTransferFiles(WeightTransferTransport):
                 path = folder / bucket_name(i)
                 with timing.span("serialize"):
                     fmt.write(bucket, path)
-                    proof = base.proof_args(signer, [sign_file(signer, path)] if signer else None)
+                    proof = proof_args(signer, [sign_file(signer, path)] if signer else None)
                 if loading is not None and previous is not None:
                     loading.result()
                     previous.unlink()
@@ -304,7 +303,7 @@ class WeightTransferGloo(WeightTransferTransport):
         delta: bool = False,
     ) -> None:
         super().__init__(client, tagged=tagged)
-        self._copies = base.sent_copies(delta, tagged, "WeightTransferGloo")
+        self._copies = sent_copies(delta, tagged, "WeightTransferGloo")
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self._group: Any = None
         self._store: Any = None
@@ -336,9 +335,9 @@ class WeightTransferGloo(WeightTransferTransport):
     ) -> BaseException | None:
         """Broadcast the buckets (``delta``: as deltas where the workers hold the base)
         while the workers receive; returns the trainer-side failure."""
-        update = asdict(UpdateInfo(gloo=True, delta=delta, **base.proof_args(signer)))
+        update = asdict(UpdateInfo(gloo=True, delta=delta, **proof_args(signer)))
         received = self._pool.submit(_call, self.client, "update_weights", update)
-        send_one = partial(base.send_timed, copies=self._copies)
+        send_one = partial(send_timed, copies=self._copies)
         try:
             gloo.send(self._group, buckets, received, send_one, signer)
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
@@ -360,7 +359,7 @@ class WeightTransferGloo(WeightTransferTransport):
 
     def close(self) -> None:
         if self._copies is not None and self._rpc is not None and self._group is not None:
-            base.drop_kept_copies(self._rpc, self._copies, {"backend": True})
+            drop_kept_copies(self._rpc, self._copies, {"backend": True})
         if self._group is not None:
             shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
             try:
