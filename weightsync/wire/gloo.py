@@ -97,6 +97,24 @@ def open_group(
     return group, store
 
 
+class Link:
+    """Rank 0's end of a group with an engine's workers, as a transport carried by gloo holds
+    it: where it listens, how long it waits for a peer, and the group once `open`."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.group: Any = None
+        self.store: Any = None
+
+    def open(self, size: int, join: Callable[[int, str], Future]) -> None:
+        """`open_group` at this address, keeping the group and its store."""
+        self.group, self.store = open_group(self.host, self.port, size, self.timeout_s, join)
+
+    def close(self) -> None:
+        """Drop the group: it carries nothing more."""
+        self.group = self.store = None
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 

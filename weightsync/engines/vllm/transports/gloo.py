@@ -7,7 +7,6 @@ import json
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -55,13 +54,9 @@ class GlooTransport(Transport):
         delta: bool = False,
     ) -> None:
         self._copies = sent_copies(delta, tagged, "GlooTransport")
-        self.host = host
-        self.port = port
-        self.timeout_s = timeout_s
+        self.link = gloo.Link(host, port, timeout_s)
         self.tagged = tagged
         self._rpc: Rpc | None = None
-        self._group: Any = None
-        self._store: Any = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
 
     @property
@@ -79,26 +74,24 @@ class GlooTransport(Transport):
 
         def join(port: int, secret: str) -> Future:
             kwargs = {
-                "host": self.host,
+                "host": self.link.host,
                 "port": port,
                 "world_size": world_size + 1,
-                "timeout_s": self.timeout_s,
+                "timeout_s": self.link.timeout_s,
                 "secret": secret,
             }
             return self._pool.submit(rpc, "weightsync_join_gloo", kwargs)
 
-        self._group, self._store = gloo.open_group(
-            self.host, self.port, world_size + 1, self.timeout_s, join
-        )
+        self.link.open(world_size + 1, join)
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
-        if self._group is None:
+        if self.link.group is None:
             raise RuntimeError("GlooTransport.send before connect")
         signer = signer_for(self.tagged)
         copies = self._copies
         if copies is None:
             received = self._pool.submit(rpc, "weightsync_receive_gloo", proof_args(signer))
-            gloo.send(self._group, buckets, received, send_timed, signer)
+            gloo.send(self.link.group, buckets, received, send_timed, signer)
             return
 
         # Deltas only if every worker still holds the copies the last successful sync left.
@@ -106,7 +99,9 @@ class GlooTransport(Transport):
         kwargs = proof_args(signer) | {"delta": copies.begin(reported)}
         received = self._pool.submit(rpc, "weightsync_receive_gloo", kwargs)
         try:
-            gloo.send(self._group, buckets, received, partial(send_timed, copies=copies), signer)
+            gloo.send(
+                self.link.group, buckets, received, partial(send_timed, copies=copies), signer
+            )
         except BaseException:
             copies.reset()
             raise
@@ -117,17 +112,16 @@ class GlooTransport(Transport):
     ) -> str | None:
         """Broadcast the adapter; the engine's first worker writes it to a folder on its own
         host (the server may be on another one) and its path is returned."""
-        if self._group is None:
+        if self.link.group is None:
             raise RuntimeError("GlooTransport.put_adapter before connect")
         signer = signer_for(self.tagged)
         kwargs = {"version": version, "config": json.dumps(config, default=str)}
         received = self._pool.submit(rpc, "weightsync_receive_adapter", kwargs | proof_args(signer))
-        gloo.send(self._group, [list(tensors.items())], received, send_timed, signer)
+        gloo.send(self.link.group, [list(tensors.items())], received, send_timed, signer)
         return next(o.value for o in received.result() if o.value is not None)
 
     def close(self) -> None:
-        if self._copies is not None and self._rpc is not None and self._group is not None:
+        if self._copies is not None and self._rpc is not None and self.link.group is not None:
             drop_kept_copies(self._rpc, self._copies, {})
-        self._group = None
-        self._store = None
+        self.link.close()
         self._pool.shutdown(wait=False)

@@ -304,25 +304,24 @@ class WeightTransferGloo(WeightTransferTransport):
     ) -> None:
         super().__init__(client, tagged=tagged)
         self._copies = sent_copies(delta, tagged, "WeightTransferGloo")
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        self._group: Any = None
-        self._store: Any = None
+        self.link = gloo.Link(host, port, timeout_s)
 
     def _join(self, world_size: int) -> None:
         size = world_size + 1
 
         def join(port: int, secret: str) -> Future:
+            link = self.link
             info = InitInfo(
-                host=self.host, port=port, world_size=size, timeout_s=self.timeout_s, secret=secret
+                host=link.host, port=port, world_size=size, timeout_s=link.timeout_s, secret=secret
             )
             return self._pool.submit(
                 _call, self.client, "init_weight_transfer_engine", asdict(info)
             )
 
-        self._group, self._store = gloo.open_group(self.host, self.port, size, self.timeout_s, join)
+        self.link.open(size, join)
 
     def _connected(self) -> bool:
-        return super()._connected() and self._group is not None
+        return super()._connected() and self.link.group is not None
 
     def _update(
         self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
@@ -339,33 +338,33 @@ class WeightTransferGloo(WeightTransferTransport):
         received = self._pool.submit(_call, self.client, "update_weights", update)
         send_one = partial(send_timed, copies=self._copies)
         try:
-            gloo.send(self._group, buckets, received, send_one, signer)
+            gloo.send(self.link.group, buckets, received, send_one, signer)
         except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
             return error
         return None
 
     def _finish(self) -> list[Outcome]:
         """``finish_weight_update`` and every worker's outcome, all-gathered over the group."""
-        work, gathered = gloo.gather_outcomes(self._group, self._world_size + 1, Outcome())
+        work, gathered = gloo.gather_outcomes(self.link.group, self._world_size + 1, Outcome())
         try:
             _call(self.client, "finish_weight_update")
         except BaseException:
             # The workers never reached the exchange, which now waits for them: this group
             # can carry nothing more. Make a new transport (engine) to go on.
-            self._group = None
+            self.link.close()
             raise
         work.wait()
         return gloo.outcomes(gathered)[1:]
 
     def close(self) -> None:
-        if self._copies is not None and self._rpc is not None and self._group is not None:
+        if self._copies is not None and self._rpc is not None and self.link.group is not None:
             drop_kept_copies(self._rpc, self._copies, {"backend": True})
-        if self._group is not None:
+        if self.link.group is not None:
             shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
             try:
                 if shutdown is not None:
                     shutdown()  # the workers drop their end of the group
             except Exception:  # closing must not fail on a stopped server
                 logger.warning("weightsync: shutdown_weight_transfer_engine failed", exc_info=True)
-        self._group = self._store = None
+        self.link.close()
         super().close()
