@@ -222,6 +222,9 @@ def assert_exact(probe: dict, *, sleep_level: int) -> None:
             assert r["engine"] != r["trainer"], f"sync {i + 1}: the engine already matched"
     assert probe["swift_base_sync_done"]
     assert probe["frozen_changed"] == [], "a sync changed the trainer's frozen weights"
+    # The rollout alarm checked every batch swift scored, and stayed quiet (float32 engine).
+    assert len(probe["rollout_gaps"]) >= STEPS, probe["rollout_gaps"]
+    assert all(0 <= g <= 1e-3 for g in probe["rollout_gaps"]), probe["rollout_gaps"]
 
 
 def test_full_tied_sleep2(runs):

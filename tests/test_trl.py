@@ -244,6 +244,35 @@ def test_dense_tied(checkpoint, tokenizer, tmp_path):
     run.assert_matched_every_generate()
     run.assert_differed_before_syncs()
     assert [r.strategy for r in run.reports] == ["FullSync"] * STEPS
+    # The rollout alarm ran on every batch, on the logprobs TRL computed anyway, and stayed quiet.
+    logged = [h for h in trainer.state.log_history if "weightsync/rollout_logp_gap" in h]
+    assert len(logged) == STEPS, trainer.state.log_history
+    assert all(h["weightsync/rollout_logp_gap"] <= 1e-3 for h in logged), logged
+    assert all(h["weightsync/rollout_alarm"] == 0 for h in logged), logged
+
+
+def test_alarm_catches_syncs_that_did_not_happen(checkpoint, tokenizer, tmp_path):
+    """A sync replaced by one that does nothing after the first (the trl#5312 kind of bug):
+    the next batch's rollouts come from stale weights, and the alarm stops the run."""
+    from weightsync.errors import StaleRolloutError
+
+    trainer = make_trainer(checkpoint["llama"], tokenizer, tmp_path)
+    syncer = use_weightsync(trainer, alarm="raise")
+    vg = trainer.vllm_generation
+    sync_weights, synced = vg.sync_weights, []
+
+    def first_sync_only():
+        if not synced:
+            sync_weights()
+        synced.append(True)
+
+    vg.sync_weights = first_sync_only
+    try:
+        with pytest.raises(StaleRolloutError, match="do not match the trainer"):
+            trainer.train()
+    finally:
+        vg.llm.llm_engine.engine_core.shutdown()
+    assert len(synced) == 2 and syncer.step == 1
 
 
 def test_dense_tied_sleep(checkpoint, tokenizer, tmp_path):

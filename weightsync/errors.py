@@ -95,3 +95,9 @@ class EngineCannotRunError(WeightSyncError, RuntimeError):
     """The engine cannot run what it serves on its own CPU or device: its workers found a
     quantized layer whose kernel their vLLM build lacks (W4A16's ``cpu_gemm_wna16`` exists only
     for some CPUs). vLLM started it; its first forward would fail. Nothing was written."""
+
+
+class StaleRolloutError(WeightSyncError, RuntimeError):
+    """A rollout batch's sampled-token logprobs are further from the trainer's than the engine's
+    tolerance allows (`weightsync.alarm`): the engine generated from other weights than the
+    trainer holds. Raised only when asked (``raise_on_alarm``); otherwise logged."""

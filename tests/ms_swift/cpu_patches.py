@@ -159,6 +159,7 @@ class Probe(TrainerCallback):
             "routed_lora_ids": [],
             "lora_B_scaled": [],
             "refusals": refusals(trainer) if syncer is not None else [],
+            "rollout_gaps": [],
         }
         self.engine = syncer.engine if syncer is not None else VLLMEngine(trainer.engine)
         self.sent, self.restore = swift_own_sync_on_cpu(trainer) if syncer is None else (None, None)
@@ -203,6 +204,14 @@ class Probe(TrainerCallback):
                 return report
 
             syncer.sync = recorded_sync
+            offpolicy_metrics = trainer._compute_rollout_offpolicy_metrics  # with the alarm
+
+            def recorded_gap(*a, **kw):
+                metrics = offpolicy_metrics(*a, **kw)
+                self.record["rollout_gaps"].append(float(metrics["weightsync_rollout_logp_gap"]))
+                return metrics
+
+            trainer._compute_rollout_offpolicy_metrics = recorded_gap
 
     def on_train_end(self, args, state, control, **kwargs):
         trainer, engine = self.trainer, self.engine

@@ -21,8 +21,12 @@ option costs: docs/recipes.md, "ms-swift".
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Literal
 
+import torch
+
+from ..alarm import RolloutAlarm
 from ..engines.vllm.inprocess import VLLMEngine
 from ..syncer import Syncer
 
@@ -32,7 +36,9 @@ from ..syncer import Syncer
 TUNER_TYPES = ("full", "lora")
 
 
-def use_weightsync(trainer: Any, *, verify: bool = False) -> Syncer:
+def use_weightsync(
+    trainer: Any, *, verify: bool = False, alarm: Literal["log", "raise", "off"] = "log"
+) -> Syncer:
     """Route ms-swift ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
     Call it once, after creating the trainer and before ``trainer.train()`` (from the CLI:
@@ -43,6 +49,12 @@ def use_weightsync(trainer: Any, *, verify: bool = False) -> Syncer:
         verify: check every sync against the trainer on a canary prompt. Verification
             generates, so it needs the KV cache awake: it cannot run with ``sleep_level`` > 0,
             where swift wakes the KV cache only after the sync.
+        alarm: check every rollout batch (`weightsync.alarm`): the engine's logprobs of the
+            tokens it sampled (swift asks vLLM for them whenever it generates with it) against
+            the trainer's of the same tokens, where swift computes its off-policy metrics
+            (turned on, ``log_rollout_offpolicy_metrics``). ``"log"``: a warning on an alarm
+            and the metrics ``weightsync_rollout_logp_gap`` / ``weightsync_rollout_alarm``
+            among swift's ``rollout_correction`` ones; ``"raise"``: `StaleRolloutError`.
 
     Returns:
         The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine` on swift's
@@ -79,7 +91,29 @@ def use_weightsync(trainer: Any, *, verify: bool = False) -> Syncer:
     if served:
         _generate_with_adapter(trainer.engine, engine)
     trainer.weightsync = syncer
+    if alarm != "off":
+        _check_rollouts(trainer, RolloutAlarm(engine=engine, raise_on_alarm=alarm == "raise"))
     return syncer
+
+
+def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
+    """Run ``alarm`` where swift compares its rollout logprobs with the trainer's
+    (``_compute_rollout_offpolicy_metrics``, on for every batch from now on)."""
+    offpolicy_metrics = trainer._compute_rollout_offpolicy_metrics
+
+    @functools.wraps(offpolicy_metrics)
+    def checked(
+        old_per_token_logps: torch.Tensor, rollout_per_token_logps: torch.Tensor, mask: Any
+    ) -> dict[str, torch.Tensor]:
+        metrics = offpolicy_metrics(old_per_token_logps, rollout_per_token_logps, mask)
+        gap = alarm.check(old_per_token_logps, rollout_per_token_logps, mask)
+        device = old_per_token_logps.device
+        metrics["weightsync_rollout_logp_gap"] = torch.tensor(gap.mean, device=device)
+        metrics["weightsync_rollout_alarm"] = torch.tensor(float(gap.alarm), device=device)
+        return metrics
+
+    trainer._compute_rollout_offpolicy_metrics = checked
+    trainer.log_rollout_offpolicy_metrics = True
 
 
 def register_callback(name: str = "weightsync", *, verify: bool = False) -> None:

@@ -31,6 +31,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from ..alarm import RolloutAlarm
 from ..engines.base import Engine
 from ..engines.vllm.inprocess import VLLMEngine
 from ..engines.vllm.server import VLLMServerEngine
@@ -50,6 +51,7 @@ def use_weightsync(
     token: str | None = None,
     transport: str | Transport = "tmpfs",
     allow_unauthenticated: bool = False,
+    alarm: typing.Literal["log", "raise", "off"] = "log",
 ) -> Syncer:
     """Route ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
@@ -77,6 +79,13 @@ def use_weightsync(
             host, or a `Transport` such as ``WeightTransferGloo``).
         allow_unauthenticated: server mode: use a server reached over the network without a
             token (see `VLLMServerEngine`).
+        alarm: check every rollout batch (`weightsync.alarm`): the engine's logprobs of the
+            tokens it sampled against the trainer's ``old_per_token_logps`` of the same tokens,
+            which GRPO and RLOO already compute for their importance-sampling correction
+            (``vllm_importance_sampling_correction=True``, TRL's default; without it there is
+            nothing free to compare and no check runs). ``"log"``: a warning on an alarm, and
+            the metrics ``weightsync/rollout_logp_gap`` and ``weightsync/rollout_alarm`` in
+            TRL's logs; ``"raise"``: `StaleRolloutError` instead of the warning.
 
     Returns:
         The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine`, or the
@@ -161,6 +170,8 @@ def use_weightsync(
 
     vg.sync_weights = sync_weights
     vg.weightsync = syncer
+    if alarm != "off":
+        _check_rollouts(trainer, RolloutAlarm(engine=engine, raise_on_alarm=alarm == "raise"))
     return syncer
 
 
@@ -244,6 +255,31 @@ def _check_supported(vg: Any, sleep_level: int, verify: bool) -> None:
             "the KV cache only later, at generate; verify without sleep mode, or call "
             "weightsync.verify.check_engine yourself once the KV cache is awake"
         )
+
+
+def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
+    """Run ``alarm`` on every batch ``trainer._generate_and_score_completions`` returns with
+    both sides' logprobs, and add its figures to the trainer's metrics."""
+    generate_and_score = getattr(trainer, "_generate_and_score_completions", None)
+    if generate_and_score is None:  # a trainer without GRPO's batch: nothing to compare
+        return
+
+    @functools.wraps(generate_and_score)
+    def checked(inputs: Any) -> Any:
+        out = generate_and_score(inputs)
+        trainer_lp, engine_lp = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
+        if trainer_lp is None or engine_lp is None:
+            return out
+        mask = out["completion_mask"]
+        if out.get("tool_mask") is not None:
+            mask = mask * out["tool_mask"]
+        gap = alarm.check(trainer_lp, engine_lp, mask)
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        metrics["weightsync/rollout_logp_gap"].append(gap.mean)
+        metrics["weightsync/rollout_alarm"].append(float(gap.alarm))
+        return out
+
+    trainer._generate_and_score_completions = checked
 
 
 def _sleep_at(llm: Any, chosen: int) -> None:
