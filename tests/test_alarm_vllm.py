@@ -14,7 +14,7 @@ import torch
 from benchmarks.alarm import corrupt_layer, gap_of, step_on
 from weightsync import FullSync
 from weightsync import testing as T
-from weightsync.alarm import RolloutAlarm, rollout_gap
+from weightsync.alarm import RolloutAlarm, rollout_gap, trainer_dropout
 from weightsync.engines import VLLMEngine
 from weightsync.errors import StaleRolloutError
 from weightsync.verify import tolerance_for
@@ -70,3 +70,14 @@ def test_other_versions_are_skipped_and_raise_is_opt_in():
     assert rollout_gap(torch.zeros(1, 2), nan_served, bound=0.1).alarm
     with pytest.raises(ValueError, match="one shape"):
         rollout_gap(torch.zeros(2, 3), torch.zeros(2, 4), bound=0.1)
+
+
+def test_dropout_in_the_trainer_is_named():
+    from peft import LoraConfig, get_peft_model
+
+    assert trainer_dropout(T.tiny_model("llama")) is None
+    noisy = get_peft_model(T.tiny_model("llama"), LoraConfig(r=4, lora_dropout=0.05))
+    assert "lora_dropout" in trainer_dropout(noisy)
+    assert trainer_dropout(T.tiny_model("llama", attention_dropout=0.1)) == (
+        "config.attention_dropout=0.1"
+    )

@@ -211,7 +211,7 @@ def runs(swift_env, checkpoint, dataset, tmp_path_factory):
                 kill(proc)
 
 
-def assert_exact(probe: dict, *, sleep_level: int) -> None:
+def assert_exact(probe: dict, *, sleep_level: int, alarm: bool = True) -> None:
     assert len(probe["at_rollout"]) == STEPS
     for i, r in enumerate(probe["at_rollout"]):
         assert r["engine"] == r["trainer"], f"rollout {i}: engine {r['engine']} != {r['trainer']}"
@@ -222,9 +222,14 @@ def assert_exact(probe: dict, *, sleep_level: int) -> None:
             assert r["engine"] != r["trainer"], f"sync {i + 1}: the engine already matched"
     assert probe["swift_base_sync_done"]
     assert probe["frozen_changed"] == [], "a sync changed the trainer's frozen weights"
-    # The rollout alarm checked every batch swift scored, and stayed quiet (float32 engine).
-    assert len(probe["rollout_gaps"]) >= STEPS, probe["rollout_gaps"]
-    assert all(0 <= g <= 1e-3 for g in probe["rollout_gaps"]), probe["rollout_gaps"]
+    # The rollout alarm checked every batch swift scored, and stayed quiet (float32 engine);
+    # under swift's default lora_dropout=0.05 the trainer's logprobs are noisy (a healthy
+    # batch scored 0.08 here, 80x the bound), and the alarm stays off, saying so.
+    if alarm:
+        assert len(probe["rollout_gaps"]) >= STEPS, probe["rollout_gaps"]
+        assert all(0 <= g <= 1e-3 for g in probe["rollout_gaps"]), probe["rollout_gaps"]
+    else:
+        assert probe["rollout_gaps"] == []
 
 
 def test_full_tied_sleep2(runs):
@@ -241,7 +246,7 @@ def test_lora_merged(runs):
     (Llama) model: every step sends the merged weights. Also what use_weightsync refuses, said
     on this real trainer."""
     probe = runs["lora_merged"].result()
-    assert_exact(probe, sleep_level=0)
+    assert_exact(probe, sleep_level=0, alarm=False)  # LoRA, swift's dropout
     assert probe["frozen"] > 0  # the base, unmerged and bit-identical
     assert probe["strategies"] == ["FullSync(lora=merge)"] * STEPS
     assert probe["routed_lora_ids"] == [None] * STEPS
@@ -266,7 +271,7 @@ def test_lora_served_sleep1(runs):
     """The engine serves the adapter (vllm_enable_lora), level-1 sleeps keep the base: the
     base once, then the adapter alone, which swift's generation is given (not swift's id 111)."""
     probe = runs["lora_served_sleep1"].result()
-    assert_exact(probe, sleep_level=1)
+    assert_exact(probe, sleep_level=1, alarm=False)  # LoRA, swift's dropout
     assert probe["serves_lora"] and probe["lora_id"] != 111
     assert probe["routed_lora_ids"] == [probe["lora_id"]] * STEPS
     assert probe["strategies"] == ["FullSync(lora=separate)"] + ["AdapterSync"] * (STEPS - 1)

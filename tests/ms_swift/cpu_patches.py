@@ -208,7 +208,10 @@ class Probe(TrainerCallback):
 
             def recorded_gap(*a, **kw):
                 metrics = offpolicy_metrics(*a, **kw)
-                self.record["rollout_gaps"].append(float(metrics["weightsync_rollout_logp_gap"]))
+                if "weightsync_rollout_logp_gap" in metrics:
+                    self.record["rollout_gaps"].append(
+                        float(metrics["weightsync_rollout_logp_gap"])
+                    )
                 return metrics
 
             trainer._compute_rollout_offpolicy_metrics = recorded_gap

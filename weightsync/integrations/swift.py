@@ -22,11 +22,12 @@ option costs: docs/recipes.md, "ms-swift".
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Literal
 
 import torch
 
-from ..alarm import RolloutAlarm
+from ..alarm import RolloutAlarm, trainer_dropout
 from ..engines.vllm.inprocess import VLLMEngine
 from ..syncer import Syncer
 
@@ -34,6 +35,8 @@ from ..syncer import Syncer
 #: peft LoRA adapter on a frozen base. Others (longlora, adalora, reft, vera, boft, ...) train
 #: weights or modules weightsync's PEFT allowlist does not cover.
 TUNER_TYPES = ("full", "lora")
+
+logger = logging.getLogger(__name__)
 
 
 def use_weightsync(
@@ -54,7 +57,9 @@ def use_weightsync(
             the trainer's of the same tokens, where swift computes its off-policy metrics
             (turned on, ``log_rollout_offpolicy_metrics``). ``"log"``: a warning on an alarm
             and the metrics ``weightsync_rollout_logp_gap`` / ``weightsync_rollout_alarm``
-            among swift's ``rollout_correction`` ones; ``"raise"``: `StaleRolloutError`.
+            among swift's ``rollout_correction`` ones; ``"raise"``: `StaleRolloutError`. Off,
+            with a warning, when the trainer's forward has dropout (swift's default
+            ``lora_dropout=0.05``: `weightsync.alarm.trainer_dropout`).
 
     Returns:
         The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine` on swift's
@@ -100,6 +105,15 @@ def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
     """Run ``alarm`` where swift compares its rollout logprobs with the trainer's
     (``_compute_rollout_offpolicy_metrics``, on for every batch from now on)."""
     offpolicy_metrics = trainer._compute_rollout_offpolicy_metrics
+    noise = trainer_dropout(trainer.model)
+    if noise is not None:
+        logger.warning(
+            "weightsync: the rollout alarm is off: the trainer computes its logprobs with "
+            "dropout (%s), so they are a noisy sample, not what the weights compute; set the "
+            "dropout to 0 to have every batch checked",
+            noise,
+        )
+        return
 
     @functools.wraps(offpolicy_metrics)
     def checked(

@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import os
 import typing
 from collections.abc import Iterator
 from typing import Any
 
-from ..alarm import RolloutAlarm
+from ..alarm import RolloutAlarm, trainer_dropout
 from ..engines.base import Engine
 from ..engines.vllm.inprocess import VLLMEngine
 from ..engines.vllm.server import VLLMServerEngine
@@ -39,6 +40,8 @@ from ..engines.vllm.server_auth import HEADER as TOKEN_HEADER
 from ..engines.vllm.server_auth import TOKEN_ENV
 from ..engines.vllm.transports import Transport
 from ..syncer import Syncer
+
+logger = logging.getLogger(__name__)
 
 
 def use_weightsync(
@@ -85,7 +88,8 @@ def use_weightsync(
             (``vllm_importance_sampling_correction=True``, TRL's default; without it there is
             nothing free to compare and no check runs). ``"log"``: a warning on an alarm, and
             the metrics ``weightsync/rollout_logp_gap`` and ``weightsync/rollout_alarm`` in
-            TRL's logs; ``"raise"``: `StaleRolloutError` instead of the warning.
+            TRL's logs; ``"raise"``: `StaleRolloutError` instead of the warning. Off, with a
+            warning, when the trainer's forward has dropout (`weightsync.alarm.trainer_dropout`).
 
     Returns:
         The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine`, or the
@@ -262,6 +266,15 @@ def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
     both sides' logprobs, and add its figures to the trainer's metrics."""
     generate_and_score = getattr(trainer, "_generate_and_score_completions", None)
     if generate_and_score is None:  # a trainer without GRPO's batch: nothing to compare
+        return
+    noise = trainer_dropout(trainer.model)
+    if noise is not None:
+        logger.warning(
+            "weightsync: the rollout alarm is off: the trainer computes its logprobs with "
+            "dropout (%s), so they are a noisy sample, not what the weights compute; set the "
+            "dropout to 0 to have every batch checked",
+            noise,
+        )
         return
 
     @functools.wraps(generate_and_score)
