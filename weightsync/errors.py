@@ -95,3 +95,25 @@ class EngineCannotRunError(WeightSyncError, RuntimeError):
     """The engine cannot run what it serves on its own CPU or device: its workers found a
     quantized layer whose kernel their vLLM build lacks (W4A16's ``cpu_gemm_wna16`` exists only
     for some CPUs). vLLM started it; its first forward would fail. Nothing was written."""
+
+
+class BadValuesError(WeightSyncError, ValueError):
+    """A weight the sync would write holds values no engine can serve: NaN or inf, a magnitude
+    the engine's dtype cannot hold, or no data at all (a tensor on the ``meta`` device, or one
+    whose storage was freed). The message names the weight. Nothing was written."""
+
+
+class BadArgumentError(WeightSyncError, TypeError):
+    """An argument is not the kind of object weightsync takes (``sync(None)``, a state dict
+    where a model is expected, an engine no adapter accepts). The message names the argument
+    and what was given. Nothing was written."""
+
+
+class PauseExpiredError(WeightSyncError, RuntimeError):
+    """A write into a ``vllm serve`` server came after the server's pause lease ran out
+    (``engines/vllm/server_lease.py``): the trainer was silent longer than the lease inside its
+    pause, so the server restored any unfinished layers and resumed without it. The call that
+    came late was not run; what the server serves is whole (its old weights, or the new ones if
+    the write had completed), and the next sync must restore it fully (the base is marked
+    lost). Raise the lease (``WEIGHTSYNC_PAUSE_LEASE_S`` in the server's environment) if the
+    trainer is that slow on purpose."""
