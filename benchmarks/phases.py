@@ -14,6 +14,10 @@ Three parts that add up to the sync's wall time:
   cast; ``produce``, the ``"produce"`` spans: time spent inside the engine pulling the stream),
   bookkeeping.
 
+Beside the parts, ``pause``: the ``"pause"`` spans (`weightsync.timing`), how long the
+engine generated nothing for its other clients (a server: from ``/pause`` to ``/resume``),
+inside ``engine``, not added to the total; 0 for an engine a sync does not pause.
+
 Timers only: each part is a sum of ``perf_counter`` spans, no profiler, no estimate. Where
 replicas are written in parallel threads, ``serialize`` sums over the threads (CPU-seconds)
 and ``engine`` is what remains of the wall time (clamped at 0); the row says so.
@@ -47,12 +51,16 @@ class Phases:
         self.produce = 0.0
         self.serialize = 0.0
         self.engine = 0.0
+        self.pause = 0.0  # the engine's pause window (inside "engine"; 0: never paused)
         self._heard: list[tuple[float, float]] = []  # (when, seconds) of produce/serialize spans
         self._lock = threading.Lock()  # replicas report from threads of their own
 
     def add(self, part: timing.Part, seconds: float) -> None:
         now = time.perf_counter()
         with self._lock:
+            if part == "pause":  # a window inside "engine", not a part of the wall time
+                self.pause += seconds
+                return
             if part == "engine":
                 began = now - seconds
                 inside = sum(s for when, s in self._heard if when >= began)
@@ -71,6 +79,7 @@ class Phases:
             "produce": self.produce,
             "serialize": self.serialize,
             "engine": self.engine,
+            "pause": self.pause,
         }
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.engines.vllm.control import WORKER_EXTENSION
+from weightsync.engines.vllm.control import LEASE_MIDDLEWARE, WORKER_EXTENSION
 from weightsync.testing import engine_options
 
 _SHM = Path("/dev/shm")
@@ -124,7 +124,8 @@ class VLLMServer:
         log: file that receives the server's output (`tail` reads it on failure).
         tp: ``--tensor-parallel-size``; TP>1 binds worker i to core i (vLLM-CPU's default
             reserves cores and would bind them all to one).
-        extension: load weightsync's worker extension (False: a stock server).
+        extension: load weightsync's worker extension and its pause lease (``server_lease.py``,
+            ``WEIGHTSYNC_PAUSE_LEASE_S`` in ``env``); False: a stock server.
         dtype: ``--dtype``.
         max_model_len: ``--max-model-len`` (the tiny models allow up to 512).
         args: further command-line arguments (``--enable-lora``, ``--weight-transfer-config``).
@@ -177,6 +178,7 @@ class VLLMServer:
             "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
             "--shutdown-timeout", str(self.shutdown_timeout_s),
             *(["--worker-extension-cls", WORKER_EXTENSION] if extension else []),
+            *(["--middleware", LEASE_MIDDLEWARE] if extension else []),
             *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(

@@ -45,17 +45,23 @@ def _bytes(b: int) -> str:
     return f"{b / 1e3:.1f} kB"
 
 
+def _pause(phases: dict[str, float] | None) -> str:
+    """The median pause window of a row whose engine a sync pauses; "-" for the others."""
+    pause = (phases or {}).get("pause")
+    return f"{pause:.4f}" if pause else "-"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| row | s median | s min | s max | bytes sent | GB/s | engine calls | peak extra MiB "
-        "| x vLLM reload | x memcpy | correct |"
+        "| row | s median | pause s | s min | s max | bytes sent | GB/s | engine calls "
+        "| peak extra MiB | x vLLM reload | x memcpy | correct |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         s = r["seconds"]
         c = r["correct"]
         if r.get("error"):
-            lines.append(f"| {r['label']} | error: {r['error'][:80]!s} |" + " |" * 9 + " **NO** |")
+            lines.append(f"| {r['label']} | error: {r['error'][:80]!s} |" + " |" * 10 + " **NO** |")
             continue
         ok = "yes" if c["passed"] else "**NO**"
         if c.get("diagnosis", {}).get("stale_tied_lm_head"):
@@ -68,7 +74,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"wrong model {c['control_mean_logprob_diff']:.1f})"
             )
         lines.append(
-            f"| {r['label']} | {s['median']:.4f} | {s['min']:.4f} | {s['max']:.4f} | {_bytes(r['bytes'])} "
+            f"| {r['label']} | {s['median']:.4f} | {_pause(r.get('phases'))} | {s['min']:.4f} "
+            f"| {s['max']:.4f} | {_bytes(r['bytes'])} "
             f"| {r['gbps']:.2f} | {r['engine_calls']} | {_mb(r['peak_extra_bytes']['max'])} "
             f"| {_x(r.get('ratio_to_vllm_native'))} | {_x(r.get('ratio_to_memcpy'))} | {ok} |"
         )
@@ -221,8 +228,8 @@ def phases_table(rows: list[dict[str, Any]]) -> str:
     """Per row, the medians of its parts (benchmarks/phases.py); they add up to the total."""
     lines = [
         "| row | s total | weightsync (plan + produce) | of which plan | serialization "
-        "| engine | engine share |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | engine share | pause window (inside engine) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r.get("phases") or {}
@@ -231,7 +238,7 @@ def phases_table(rows: list[dict[str, Any]]) -> str:
         share = p["engine"] / p["total"] if p["total"] else 0.0
         lines.append(
             f"| {r['label']} | {p['total']:.4f} | {p['weightsync']:.4f} | {p['plan']:.4f} "
-            f"| {p['serialize']:.4f} | {p['engine']:.4f} | {share:.0%} |"
+            f"| {p['serialize']:.4f} | {p['engine']:.4f} | {share:.0%} | {_pause(p)} |"
         )
     return "\n".join(lines)
 

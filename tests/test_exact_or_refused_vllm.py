@@ -9,16 +9,23 @@ active adapters, DoRA, options vLLM refuses, options weightsync has never heard 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
+import torch
 from conftest import ATOL, lora_model, sync_and_check
 from peft import IA3Config, LoraConfig, get_peft_model
 
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
-from weightsync.errors import AdapterError, UnsupportedModelError
+from weightsync.errors import (
+    AdapterError,
+    BadArgumentError,
+    BadValuesError,
+    UnsupportedModelError,
+)
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": TARGETS}  # this module's, not conftest's
@@ -41,14 +48,16 @@ def _awake(request):
                 engine.llm.wake_up()
 
 
-def refused(strategy, model, engine, error, match) -> None:
+def refused(strategy, model, engine, error, match, *, reference=None) -> None:
     """``strategy`` is refused with ``error`` naming ``match``, writing nothing, and the engine
-    still serves what it served before."""
-    before = T.compare(model, engine)["engine"]
+    still serves what it served before (its greedy tokens; ``reference``: the model compared
+    with, when ``model`` itself cannot run)."""
+    reference = model if reference is None else reference
+    before = T.compare(reference, engine)["engine"]
     with T.count_writes(engine) as writes, pytest.raises(error, match=match):
         strategy.sync(model, engine)
     assert writes == [], f"refused, but the engine was written: {writes}"
-    assert T.compare(model, engine)["engine"] == before
+    assert T.compare(reference, engine)["engine"] == before
 
 
 # --- sleeps the framework makes itself ------------------------------------------------------
@@ -240,3 +249,73 @@ def test_plan_reads_like_an_explanation(lora_engine):
         "rewrote the base",
     ):
         assert part in text, text
+
+
+# --- values no engine can serve, and objects that are not a model, refused before any write ----
+
+
+def _poison(model, name: str, value: float) -> None:
+    with torch.no_grad():
+        dict(model.named_parameters())[name].view(-1)[5] = value
+
+
+def test_a_non_finite_value_is_refused_by_every_strategy(lora_engine, plain_engine, tmp_path):
+    """One NaN or inf anywhere the sync reads -- a dense weight, a LoRA factor merged or served
+    -- is refused while planning, naming the weight, with zero writes and the engine's greedy
+    tokens unchanged; the next honest sync is exact."""
+    dense = T.tiny_model("llama")
+    T.perturb(dense, seed=30)
+    FullSync().sync(dense, plain_engine)
+    bad = copy.deepcopy(dense)
+    _poison(bad, "model.layers.1.mlp.down_proj.weight", float("nan"))
+    where = r"model\.layers\.1\.mlp\.down_proj\.weight holds"
+    refused(FullSync(), bad, plain_engine, BadValuesError, where)
+    refused(ReloadWeights(snapshot_dir=tmp_path / "snap"), bad, plain_engine, BadValuesError, where)
+    assert not (tmp_path / "snap").exists()  # not even the snapshot was written
+    T.perturb(dense, seed=31)
+    sync_and_check(FullSync(), dense, plain_engine)
+
+    lora = lora_model("llama", seed=32, config=LORA)
+    FullSync(lora="separate").sync(lora, lora_engine)
+    bad = copy.deepcopy(lora)
+    factor = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.default.weight"
+    _poison(bad, factor, float("-inf"))
+    merged = r"model\.layers\.0\.self_attn\.v_proj\.weight \(one of its LoRA factors\) holds"
+    refused(FullSync(lora="merge"), bad, plain_engine, BadValuesError, merged)
+    served = r"adapter 'default' tensor .*layers\.0\.self_attn\.v_proj\.lora_B\.weight holds"
+    for strategy in (FullSync(lora="separate"), AdapterSync(), ReloadWeights()):
+        refused(strategy, bad, lora_engine, BadValuesError, served)
+    T.perturb(lora, seed=33)
+    sync_and_check(AdapterSync(), lora, lora_engine)
+
+
+def test_a_tensor_without_data_is_refused(plain_engine):
+    """A parameter on the meta device (offloaded, or never loaded) failed inside vLLM's reload
+    after the write began; one whose storage was freed read garbage. Both are refused now."""
+    model = T.tiny_model("llama")
+    T.perturb(model, seed=34)
+    FullSync().sync(model, plain_engine)
+    meta = copy.deepcopy(model)
+    proj = meta.model.layers[0].self_attn.o_proj
+    proj.weight = torch.nn.Parameter(torch.empty(proj.weight.shape, device="meta"))
+    where = r"model\.layers\.0\.self_attn\.o_proj\.weight is on the meta device"
+    refused(FullSync(), meta, plain_engine, BadValuesError, where)
+    freed = copy.deepcopy(model)
+    freed.model.layers[1].mlp.gate_proj.weight.untyped_storage().resize_(0)
+    where = r"gate_proj\.weight has no data"
+    refused(FullSync(), freed, plain_engine, BadValuesError, where, reference=model)
+    T.perturb(model, seed=35)
+    sync_and_check(FullSync(), model, plain_engine)
+
+
+def test_what_is_not_a_model_or_an_engine_is_refused_naming_the_argument(plain_engine):
+    model = T.tiny_model("llama")
+    with T.count_writes(plain_engine) as writes:
+        for wrong in (None, model.state_dict(), "Qwen/Qwen2-0.5B"):
+            with pytest.raises(BadArgumentError, match="model must be the trainer's"):
+                FullSync().sync(wrong, plain_engine)
+            with pytest.raises(BadArgumentError, match="model must be the trainer's"):
+                Syncer(plain_engine, train_type="full").sync(wrong)
+        with pytest.raises(BadArgumentError, match=r"engine: no engine adapter accepts .*NoneType"):
+            FullSync().sync(model, None)
+    assert writes == []

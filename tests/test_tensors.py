@@ -236,3 +236,43 @@ def test_adapter_tensors_match_peft_state_dict(setup):
     again = stream.adapter(model).tensors
     fresh = {k: v for k, v in get_peft_model_state_dict(model).items() if ".lora_" in k}
     assert all(torch.equal(again[k], fresh[k]) for k in again)
+
+
+@pytest.mark.parametrize("held", [torch.float32, torch.bfloat16, torch.float16])
+def test_values_check_finds_every_non_finite_and_what_the_cast_overflows(held):
+    """`values.check_plan` without an engine: one bad value anywhere is found, in every dtype
+    the trainer holds (16-bit ones are read through their bits); a finite value the engine's
+    dtype cannot hold is refused; a merged weight whose bound overflows is produced and
+    checked exactly."""
+    from weightsync.errors import BadValuesError
+    from weightsync.trainer.values import check_plan
+
+    def planned(model, dtype, merge=False):
+        weights = tuple(stream.base_tensors(model, merge_lora=merge))
+        return plan.Plan(strategy="t", reason="t", engine="t", dtype=dtype, weights=weights)
+
+    model = tiny_model("llama", dtype=held)
+    check_plan(planned(model, torch.float16))  # a fresh model: nothing to refuse
+    p = model.model.layers[1].mlp.up_proj.weight
+    for value, found in ((float("nan"), "1 NaN and 0 inf"), (float("-inf"), "0 NaN and 1 inf")):
+        with torch.no_grad():
+            saved = p.view(-1)[-1].item()
+            p.view(-1)[-1] = value
+        with pytest.raises(BadValuesError, match=rf"layers\.1\.mlp\.up_proj\.weight holds {found}"):
+            check_plan(planned(model, held))
+        with torch.no_grad():
+            p.view(-1)[-1] = saved
+    if held != torch.float16:
+        with torch.no_grad():
+            p.view(-1)[7] = -7e4  # finite here, inf in float16
+        with pytest.raises(BadValuesError, match=r"up_proj\.weight: .* magnitude 7(\.\d+)?e\+04"):
+            check_plan(planned(model, torch.float16))
+        check_plan(planned(model, held))
+    lora = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["down_proj"]))
+    down = lora.base_model.model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        down.lora_B["default"].weight.fill_(300.0)
+        down.lora_A["default"].weight.fill_(300.0)  # bound 4*300*300: beyond float16
+    with pytest.raises(BadValuesError, match=r"layers\.0\.mlp\.down_proj\.weight: computed"):
+        check_plan(planned(lora, torch.float16, merge=True))
+    check_plan(planned(lora, torch.float32, merge=True))  # the same merge fits float32

@@ -97,6 +97,28 @@ class EngineCannotRunError(WeightSyncError, RuntimeError):
     for some CPUs). vLLM started it; its first forward would fail. Nothing was written."""
 
 
+class BadValuesError(WeightSyncError, ValueError):
+    """A weight the sync would write holds values no engine can serve: NaN or inf, a magnitude
+    the engine's dtype cannot hold, or no data at all (a tensor on the ``meta`` device, or one
+    whose storage was freed). The message names the weight. Nothing was written."""
+
+
+class BadArgumentError(WeightSyncError, TypeError):
+    """An argument is not the kind of object weightsync takes (``sync(None)``, a state dict
+    where a model is expected, an engine no adapter accepts). The message names the argument
+    and what was given. Nothing was written."""
+
+
+class PauseExpiredError(WeightSyncError, RuntimeError):
+    """A write into a ``vllm serve`` server came after the server's pause lease ran out
+    (``engines/vllm/server_lease.py``): the trainer was silent longer than the lease inside its
+    pause, so the server restored any unfinished layers and resumed without it. The call that
+    came late was not run; what the server serves is whole (its old weights, or the new ones if
+    the write had completed), and the next sync must restore it fully (the base is marked
+    lost). Raise the lease (``WEIGHTSYNC_PAUSE_LEASE_S`` in the server's environment) if the
+    trainer is that slow on purpose."""
+
+
 class StaleRolloutError(WeightSyncError, RuntimeError):
     """A rollout batch's sampled-token logprobs are further from the trainer's than the engine's
     tolerance allows (`weightsync.alarm`): the engine generated from other weights than the

@@ -37,6 +37,10 @@ class SyncReport:
         tensors: tensors written into the engine (adapter tensors included).
         bytes: bytes written into the engine, in the dtype they were sent in.
         seconds: wall time of the sync, checks included, verification excluded.
+        pause_seconds: how long the engine generated nothing for its other clients because of
+            this sync: from each pause to its resume, summed over the sync's writes (and over
+            the engines of `Replicas`, which pause together); None for an engine the sync does
+            not pause (an in-process engine, idle while the trainer syncs it).
         engine_calls: calls made into the engine (RPCs, adapter loads, reloads).
         buckets: buckets the weight stream was cut into (0 if none was streamed).
         verified_logprob_diff: mean logprob difference on the canary prompts, if verified.
@@ -51,6 +55,7 @@ class SyncReport:
     seconds: float
     engine_calls: int
     buckets: int = 0
+    pause_seconds: float | None = None
     verified_logprob_diff: float | None = None
     weights_version: str | None = None
     plan: Plan | None = field(default=None, repr=False, compare=False)
@@ -66,6 +71,12 @@ class Tally:
     bytes: int = 0
     engine_calls: int = 0
     buckets: int = 0
+    paused: float | None = None  # seconds the engine was paused (None: never paused)
+
+    def heard(self, part: timing.Part, seconds: float) -> None:
+        """A `timing` listener: sums the ``"pause"`` spans of the write."""
+        if part == "pause":
+            self.paused = (self.paused or 0.0) + seconds
 
     def count(self, stream: Iterable[Bucket]) -> Iterator[Bucket]:
         """Pass ``stream`` through, counting buckets, tensors and bytes as they are sent."""
@@ -94,7 +105,8 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
     start = time.perf_counter() if started is None else started
     tally = Tally()
     try:
-        _write_plan(plan, engine, tally)
+        with timing.listen(tally.heard):
+            _write_plan(plan, engine, tally)
     except BaseException:
         engine.mark_lost()  # a part-written engine holds nothing we can vouch for
         raise
@@ -108,6 +120,7 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
         seconds=time.perf_counter() - start,
         engine_calls=tally.engine_calls,
         buckets=tally.buckets,
+        pause_seconds=tally.paused,
         plan=plan,
     )
 

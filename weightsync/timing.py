@@ -9,6 +9,12 @@ A span names one of three parts of a sync's wall time:
 - ``"engine"``: a call into the engine's write methods, as a whole; spans of the other two
   parts made inside it are the listener's to subtract.
 
+And one span that is not a part of the wall time but a window inside ``"engine"``:
+
+- ``"pause"``: an engine that serves others while it is synced (a ``vllm serve`` server, an
+  engine in another process) generating nothing for them: from its pause to its resume.
+  `weightsync.execute.SyncReport.pause_seconds` is their sum.
+
 Spans cost two ``perf_counter`` calls when nobody listens. Listeners are process-wide, not
 per thread: replicas write from threads of their own, and their spans count too.
 """
@@ -21,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Literal, TypeVar
 
-Part = Literal["produce", "serialize", "engine"]
+Part = Literal["produce", "serialize", "engine", "pause"]
 Listener = Callable[[Part, float], None]
 
 _listeners: list[Listener] = []

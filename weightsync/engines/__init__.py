@@ -1,5 +1,5 @@
 """Engine adapters, run in the trainer's process (what vLLM loads into its own processes is
-under ``vllm/``: ``in_engine/`` in its workers, ``server_auth.py`` in its API server).
+under ``vllm/``: ``in_engine/`` in its workers, ``server_auth.py`` and ``server_lease.py`` in its API server).
 ``VLLMEngine`` wraps an in-process ``vllm.LLM`` (or its ``LLMEngine``, or a framework's object
 holding one); another engine is one `Engine` subclass decorated with `register`.
 

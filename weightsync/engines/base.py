@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
-from ..errors import BaseDiscardedError, EngineAsleepError
+from ..errors import BadArgumentError, BaseDiscardedError, EngineAsleepError
 from .contract import Attestation, EngineContract, EngineFacts
 
 __all__ = ["Attestation", "Engine", "EngineContract", "EngineFacts", "adapt", "register"]
@@ -228,7 +228,7 @@ def adapt(engine: Any) -> Engine:
             # A registered adapter is constructed from the raw engine it accepts (the abstract
             # Engine.__init__ takes none, so type[Engine] does not say so).
             return cast("Callable[[Any], Engine]", cls)(engine)
-    raise TypeError(
-        f"no engine adapter accepts {type(engine).__module__}.{type(engine).__name__}; "
+    raise BadArgumentError(
+        f"engine: no engine adapter accepts {type(engine).__module__}.{type(engine).__name__}; "
         f"registered: {sorted(_REGISTRY)}. Wrap it in an Engine subclass and @register it."
     )

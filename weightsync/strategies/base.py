@@ -20,10 +20,11 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..engines.base import Engine, adapt
-from ..errors import EngineCannotRunError, WeightMismatchError
+from ..errors import BadArgumentError, EngineCannotRunError, WeightMismatchError
 from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
 from ..trainer import quantize
+from ..trainer.values import check_plan
 
 
 class Strategy(ABC):
@@ -52,14 +53,26 @@ class Strategy(ABC):
     def plan(self, model: nn.Module, engine: Engine | Any) -> Plan:
         """Decide what this sync would write and check it against ``engine``; write nothing.
 
+        The plan's values are checked last (`weightsync.trainer.values.check_plan`): a pass
+        over every trainer tensor the sync reads, so a NaN, an inf or a tensor without data is
+        refused here, naming the weight, not found by the engine half-way through the write.
+
         Raises:
             WeightSyncError: the sync cannot reproduce the trainer in this engine
-                (EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError or
-                UnsupportedModelError).
+                (EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError,
+                UnsupportedModelError, BadValuesError), or ``model`` is not a model
+                (BadArgumentError).
         """
+        if not isinstance(model, nn.Module):
+            raise BadArgumentError(
+                f"{self.label}: model must be the trainer's torch.nn.Module (a transformers "
+                f"causal LM or a peft.PeftModel), got {_kind(model)}. Nothing was written."
+            )
         engine = adapt(engine)
         engine.check_writable(restores_base=self.restores_base, strategy=self.label)
-        return self._plan(model, engine)
+        plan = self._plan(model, engine)
+        check_plan(plan)
+        return plan
 
     def sync(self, model: nn.Module, engine: Engine | Any) -> SyncReport:
         """Make ``engine`` serve what ``model`` computes: `plan`, then `execute`.
@@ -83,6 +96,11 @@ class Strategy(ABC):
     @abstractmethod
     def _plan(self, model: nn.Module, engine: Engine) -> Plan:
         """Everything this strategy would write into ``engine``, checked; raise if impossible."""
+
+
+def _kind(obj: Any) -> str:
+    """What ``obj`` is, for a message: ``None``, or its type's qualified name."""
+    return "None" if obj is None else f"a {type(obj).__module__}.{type(obj).__qualname__}"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
   other processes: a multiprocess ``LLM``, or a server through ``server.py``, ``stock.py``),
   ``control.py`` (the calls besides bytes), ``transports/`` (how bytes reach the workers, one
   file per transport);
-- vLLM's API server process: ``server_auth.py`` (the token middleware, ``--middleware``);
+- vLLM's API server process: ``server_auth.py`` (the token middleware) and ``server_lease.py``
+  (the pause lease), both loaded with ``--middleware``;
 - vLLM's worker processes: ``in_engine/`` (the worker extension, the weight-transfer backend,
   the operations on the model vLLM built, the epoch's ledger), which imports only
   ``weightsync.wire`` and vLLM;

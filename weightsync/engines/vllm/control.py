@@ -17,15 +17,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, cast
 
-from ...errors import AdapterError, AuthError, EngineUnavailableError
+from ...errors import AdapterError, AuthError, EngineUnavailableError, PauseExpiredError
 from ..base import Attestation
 from .server_auth import HEADER as TOKEN_HEADER
+from .server_lease import HEADER as LEASE_HEADER
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
 
 #: What to pass as ``vllm serve --middleware`` for weightsync's token guard (``server_auth.py``).
 TOKEN_MIDDLEWARE = "weightsync.engines.vllm.server_auth.RequireToken"
+
+#: What to pass as ``vllm serve --middleware`` so that a pause nobody completes ends by itself
+#: (``server_lease.py``).
+LEASE_MIDDLEWARE = "weightsync.engines.vllm.server_lease.PauseLease"
 
 
 def run_requests(
@@ -255,6 +260,9 @@ class HTTPControl(Control):
         self.timeout_s = timeout_s
         self._requests = requests
         self._token = token
+        #: The lease id of the pause this client holds (``server_lease.py``), sent with every
+        #: call until it resumes; None: no pause, or a server without the lease.
+        self.lease: str | None = None
         self._session = self._new_session()
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]
 
@@ -279,10 +287,18 @@ class HTTPControl(Control):
         """One HTTP call; its JSON (or text) answer.
 
         Raises:
+            PauseExpiredError: the server's pause lease ran out before this call of the pause
+                came (``server_lease.py``); the call was not run.
             EngineUnavailableError: the server refuses the connection, resets it twice, or does
                 not answer within ``timeout_s`` (a server that is gone, restarting, or hung).
             RuntimeError: the server answered with an HTTP error.
         """
+        return self._answer(self._response(method, path, **kwargs))
+
+    def _response(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One HTTP call's response, its errors raised (see `_call`)."""
+        if self.lease is not None:
+            kwargs["headers"] = {**kwargs.get("headers", {}), LEASE_HEADER: self.lease}
         try:
             try:
                 r = self._session.request(
@@ -315,11 +331,22 @@ class HTTPControl(Control):
                 f"WEIGHTSYNC_TOKEN as token= (or set it in this process's environment). "
                 f"({r.text[:500]})"
             )
+        if r.status_code == 409 and "pause lease" in r.text:
+            self.lease = None  # the server resumed without us: recovery calls go unleased
+            raise PauseExpiredError(
+                f"the vLLM server at {self.base_url} did not run {method} {path}: "
+                f"{r.json().get('error', r.text[:500])}"
+            )
         if r.status_code >= 400:
             self._session = self._new_session()
             raise RuntimeError(
                 f"{method} {self.base_url}{path} -> HTTP {r.status_code}: {r.text[:2000]}"
             )
+        return r
+
+    @staticmethod
+    def _answer(r: Any) -> Any:
+        """A response's JSON, or its text (the LoRA routes answer in plain text)."""
         if not r.content:
             return None
         try:
@@ -336,10 +363,15 @@ class HTTPControl(Control):
         return (self._call("POST", "/collective_rpc", json=body) or {}).get("results", [])
 
     def pause(self) -> None:
-        self._call("POST", "/pause", params={"mode": "keep"})
+        self.lease = None
+        r = self._response("POST", "/pause", params={"mode": "keep"})
+        self.lease = r.headers.get(LEASE_HEADER)
 
     def resume(self) -> None:
-        self._call("POST", "/resume")
+        try:
+            self._call("POST", "/resume")
+        finally:
+            self.lease = None
 
     def reset_prefix_cache(self) -> None:
         # vLLM answers {"success": false}, and keeps the cache, while running requests hold

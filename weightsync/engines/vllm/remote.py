@@ -8,8 +8,11 @@ One engine class, `RemoteVLLMEngine`, with two pluggable halves:
 - a *transport* for the bytes (``transports/``): tmpfs files, a gloo group, vLLM's
   weight-transfer API.
 
-Every write: pause (in-flight requests are kept, not dropped), write, reset the prefix cache,
-resume. If the write fails part-way the workers have already restored their unfinished layers,
+Every write: stage what the transport can stage while the engine serves (tmpfs: every bucket's
+file, written and tagged), then pause (in-flight requests are kept, not dropped), apply, reset
+the prefix cache, resume; the pause window is reported (`SyncReport.pause_seconds`). A server
+started with weightsync's pause lease (``server_lease.py``) ends a pause nobody completes by
+itself, so a trainer killed inside it does not leave the server stuck. If the write fails part-way the workers have already restored their unfinished layers,
 so the engine serves a mix of old and new weights: it is resumed, the base is marked lost (only
 a full restore may follow) and the error is raised. If even that recovery fails the engine is
 left paused -- never resume a broken engine -- and `EngineBrokenError` says so; an engine that
@@ -181,16 +184,17 @@ class RemoteVLLMEngine(Engine):
         cache, resume; see the module docstring for what happens when ``write`` fails
         (``base``: it writes base weights)."""
         self._written_version = None
-        self.control.pause()
-        try:
-            write()
-            self._written_version = self._version_now()
-            self._written(self._written_version)
-        except BaseException as error:
-            self._recover(what, error, base=base)
-            raise
-        self.control.reset_prefix_cache()
-        self.control.resume()
+        with timing.span("pause"):
+            self.control.pause()
+            try:
+                write()
+                self._written_version = self._version_now()
+                self._written(self._written_version)
+            except BaseException as error:
+                self._recover(what, error, base=base)
+                raise
+            self.control.reset_prefix_cache()
+            self.control.resume()
 
     def _recover(self, what: str, error: BaseException, *, base: bool) -> None:
         """After ``write`` failed in `_paused_write`: restore the unfinished layers (idempotent:
@@ -217,8 +221,14 @@ class RemoteVLLMEngine(Engine):
         self.rpc("weightsync_abandon")
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
-        self._forget_adapter()
-        self._paused_write("load_weights", lambda: self.transport.send(self.rpc, buckets))
+        """Stage ``buckets`` (`Transport.prepare`) while the engine serves, then apply them in
+        one `_paused_write`: a failure while staging leaves the engine untouched."""
+        staged = self.transport.prepare(self.rpc, buckets)
+        try:
+            self._forget_adapter()
+            self._paused_write("load_weights", staged.apply)
+        finally:
+            staged.drop()
         return 1
 
     def reload_checkpoint(self, path: str | None = None) -> int:

@@ -41,6 +41,13 @@ class Transport(ABC):
         """Load ``buckets`` into every worker. On failure the workers have already abandoned
         any half-done reload (they serve a mix of old and new layers) and the error is raised."""
 
+    def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
+        """Stage ``buckets`` where the workers will read them, while the engine keeps serving,
+        and return what applies them (run inside the engine's pause). A transport whose bytes
+        can only travel while the workers load them (a stream) stages nothing: its apply is
+        the whole `send`."""
+        return Staged(lambda: self.send(rpc, buckets))
+
     def put_adapter(
         self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
     ) -> str | None:
@@ -51,6 +58,15 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release what `connect` set up (files, sockets)."""
+
+
+class Staged:
+    """What a `Transport.prepare` staged: `apply` loads it into the workers (once, inside the
+    engine's pause); `drop` releases what is staged (always called, applied or not)."""
+
+    def __init__(self, apply: Callable[[], None], drop: Callable[[], None] = lambda: None) -> None:
+        self.apply = apply
+        self.drop = drop
 
 
 def send_timed(

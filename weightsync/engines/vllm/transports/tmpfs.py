@@ -13,11 +13,15 @@ from ....plan import Bucket
 from ....wire.files import KeptFiles, Written, write_folder
 from ....wire.scratch import private_dir, scratch_dir
 from ....wire.tags import Signer
-from .base import Rpc, Transport, proof_args, signer_for
+from .base import Rpc, Staged, Transport, proof_args, signer_for
 
 
 def _serializing() -> Any:
     return timing.span("serialize")
+
+
+def _load(rpc: Rpc, kwargs: dict[str, Any]) -> None:
+    rpc("weightsync_load_files", kwargs)
 
 
 class TmpfsTransport(Transport):
@@ -49,17 +53,25 @@ class TmpfsTransport(Transport):
         self._kept = KeptFiles(self.root / "kept") if keep else None
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        staged = self.prepare(rpc, buckets)
+        try:
+            staged.apply()
+        finally:
+            staged.drop()
+
+    def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
+        """Write (and tag) every bucket's file now, while the engine serves; the apply is one
+        call, the workers' check of every tag and their load of the files. A trainer that
+        fails or dies while writing leaves the engine untouched and never paused (its files
+        are swept with its scratch folder)."""
         signer = signer_for(self.tagged)
         if self._kept is not None:
             written = self._kept.write(buckets, around=_serializing, signer=signer)
             kwargs = {"folder": str(self._kept.folder), "files": written.names}
-            rpc("weightsync_load_files", kwargs | proof_args(signer, written.tags))
-            return
+            return Staged(lambda: _load(rpc, kwargs | proof_args(signer, written.tags)))
         folder, written = self.stage(buckets, signer=signer)
-        try:
-            rpc("weightsync_load_files", {"folder": str(folder)} | proof_args(signer, written.tags))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        fresh = {"folder": str(folder)} | proof_args(signer, written.tags)
+        return Staged(lambda: _load(rpc, fresh), lambda: shutil.rmtree(folder, ignore_errors=True))
 
     def stage(
         self, buckets: Iterable[Bucket], *, aliases: bool = True, signer: Signer | None = None

@@ -1,0 +1,72 @@
+"""A trainer process for tests/test_pause_lease_vllm.py, SIGKILLed at one point of a sync.
+
+``python tests/lease_trainer.py <server url> <checkpoint> <point>`` loads the checkpoint as the
+trainer's model and syncs it into the server (FullSync, tmpfs, kept files), killing itself
+with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at ``point``:
+
+- ``staging``: after the first bucket's file is written, before the server is touched;
+- ``paused``: right after the server answered ``/pause``;
+- ``applied``: right after the workers loaded every file, before the prefix-cache reset and
+  ``/resume``.
+
+It prints ``PID <pid>`` first, so the test knows whose scratch folders to look for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from weightsync import FullSync
+from weightsync.engines import VLLMServerEngine
+from weightsync.engines.vllm.control import HTTPControl
+from weightsync.engines.vllm.remote import RemoteVLLMEngine
+from weightsync.engines.vllm.transports.tmpfs import TmpfsTransport
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(url: str, checkpoint: str, point: str) -> None:
+    print(f"PID {os.getpid()}", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    if point == "staging":
+        prepare = TmpfsTransport.prepare
+
+        def staging(self, rpc, buckets):  # one bucket's file written, then killed
+            first = iter(buckets)
+            return prepare(self, rpc, [next(first)]) and die()
+
+        TmpfsTransport.prepare = staging
+    elif point == "paused":
+        pause = HTTPControl.pause
+
+        def paused(self):
+            pause(self)
+            die()
+
+        HTTPControl.pause = paused
+    elif point == "applied":
+        rpc = RemoteVLLMEngine.rpc
+
+        def applied(self, method, kwargs=None):
+            outcomes = rpc(self, method, kwargs)
+            if method == "weightsync_load_files":
+                die()
+            return outcomes
+
+        RemoteVLLMEngine.rpc = applied
+    else:
+        raise SystemExit(f"unknown point {point!r}")
+    FullSync().sync(model, VLLMServerEngine(url))
+    raise SystemExit(f"the sync ended without reaching {point!r}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

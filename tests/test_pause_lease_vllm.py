@@ -1,0 +1,121 @@
+"""A trainer killed in the middle of a sync never leaves a ``vllm serve`` server stuck.
+
+A real server with weightsync's worker extension and pause lease (``server_lease.py``, a short
+lease here), a real trainer process (``tests/lease_trainer.py``) SIGKILLed at one point of a
+FullSync over tmpfs: before the server is touched (staging), right after it paused the server,
+and right after the workers loaded every file (inside the pause, before the reset and resume).
+A separate client's greedy tokens must then come within a bounded time and be exactly the old
+weights' -- or the new weights', where the load had completed -- the next honest sync (by a new
+trainer) must be exact, and nothing of the dead trainer may stay in /dev/shm. A trainer that
+is only slow inside its pause learns that the lease ran out (`PauseExpiredError`) and the
+server serves meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.processes import VLLMServer, serving
+from weightsync import FullSync
+from weightsync import testing as T
+from weightsync.engines import VLLMServerEngine
+from weightsync.engines.vllm.control import HTTPControl
+from weightsync.errors import PauseExpiredError
+
+LEASE_S = 3.0
+#: How long a client may wait for its answer once the trainer is dead: the lease, the
+#: middleware's tick, the recovery calls, and slack for a loaded 2-core machine.
+BOUND_S = LEASE_S + 30.0
+TRAINER = Path(__file__).with_name("lease_trainer.py")
+PROMPTS = T.PROMPTS[:2]
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lease")
+    checkpoint = T.save_checkpoint(T.tiny_model("llama"), folder / "ck")
+    started = VLLMServer(
+        checkpoint, folder / "server.log", env={"WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S)}
+    )
+    with serving(started):
+        yield started
+
+
+def greedy(model) -> list[list[int]]:
+    return [T.trainer_greedy(model, p, 8) for p in PROMPTS]
+
+
+def answered(url: str) -> tuple[list[list[int]], float]:
+    """A separate client's greedy tokens, and how long they took to come."""
+    client = HTTPControl(url, timeout_s=BOUND_S)
+    start = time.monotonic()
+    tokens = [t for t, _ in client.generate(PROMPTS, 8, None)]
+    return tokens, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "point, serves", [("staging", "old"), ("paused", "old"), ("applied", "new")]
+)
+def test_a_trainer_killed_mid_sync_leaves_a_serving_server(server, point, serves, tmp_path):
+    old, new, newer = (T.tiny_model("llama") for _ in range(3))
+    for seed, model in enumerate((old, new, newer), start=40):
+        T.perturb(model, seed=seed, scale=0.2)
+    first = VLLMServerEngine(server.url)
+    FullSync().sync(old, first)
+    first.close()
+    assert answered(server.url)[0] == greedy(old)
+
+    trainer = subprocess.run(
+        [sys.executable, str(TRAINER), server.url, T.save_checkpoint(new, tmp_path / "new"), point],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert trainer.returncode == -9, trainer.stdout + trainer.stderr
+    pid = int(trainer.stdout.split()[1])
+
+    tokens, waited = answered(server.url)
+    assert tokens == greedy(old if serves == "old" else new), f"killed at {point}"
+    assert waited < BOUND_S
+    if point == "staging":  # never paused: answered at once
+        assert waited < LEASE_S
+
+    honest = VLLMServerEngine(server.url)  # a new trainer: its scratch folder sweeps the dead's
+    try:
+        FullSync().sync(newer, honest)
+        T.assert_matches(newer, honest)
+    finally:
+        honest.close()
+    assert not list(Path("/dev/shm").glob(f"weightsync-{pid}-*"))
+
+
+def test_a_slow_trainer_learns_its_lease_ran_out(server):
+    """Alive but silent inside its pause for longer than the lease: the server resumes without
+    it, answers others meanwhile, and the late call is refused, not run."""
+    engine = VLLMServerEngine(server.url)
+    try:
+        model = T.tiny_model("llama")
+        T.perturb(model, seed=44, scale=0.2)
+        FullSync().sync(model, engine)
+        engine.control.pause()
+        tokens, waited = answered(server.url)  # waits for the lease, then is served
+        assert tokens == greedy(model) and waited < BOUND_S
+        with pytest.raises(PauseExpiredError, match=r"lease .* is over: it expired"):
+            engine.control.reset_prefix_cache()
+        assert engine.control.lease is None
+        engine.control.pause()  # a new pause is a new lease
+        engine.control.resume()
+        T.perturb(model, seed=45, scale=0.2)
+        FullSync().sync(model, engine)
+        T.assert_matches(model, engine)
+    finally:
+        engine.close()

@@ -1,0 +1,242 @@
+"""The values a plan would write, checked before anything is written: finite, and with data.
+
+A weight holding one NaN or inf is a weight no engine can serve: written, it turns every
+token's logits to NaN (greedy decoding then answers token 0), and the NaN it leaves in KV-cache
+blocks outlives the write (docs/failure-modes.md). A tensor on the ``meta`` device, or whose
+storage was freed (an offloaded or not-yet-gathered parameter), has no values at all; vLLM's
+reload would fail on it after the write began. So `check_plan` refuses both, naming the
+weight, before the first byte moves.
+
+Why a pass of its own: the stream is lazy (a bucket is produced when the engine's layerwise
+reload asks for it, and the layers before it are already loaded by then), so a check riding
+production would find a NaN in the last bucket after the first ones were written. The check
+reads the *trainer's* tensors instead -- every input a weight is computed from, each once
+(tied and fused tensors are shared) -- with one reduction each, and bounds what production
+computes from them: a plain weight is the tensor cast to the engine's dtype (finite if its
+largest magnitude casts finite), a merged LoRA weight is ``W + s * B @ A``, at most
+``max|W| + |s| * r * max|B| * max|A|`` in magnitude; only a weight whose bound does not fit the
+engine's dtype is produced here to be checked exactly. What it costs on a 0.5B model is in
+docs/benchmarks.md.
+
+A sharded tensor (FSDP2's ``DTensor``) is checked on this rank's shard: every rank plans, and
+`weightsync.distributed` shares any rank's refusal before anything is written. Not covered
+there: a weight computed from tensors the plan does not list (LoRA on a bare parameter,
+``target_parameters``), which elsewhere is produced to be checked -- producing it on a sharded
+trainer is a gather every rank must join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..errors import BadValuesError
+from ..plan import Adapter, Plan, Weight
+
+# A bfloat16 tensor on CPU is read as float32 words, twice: ``torch.aminmax`` of bfloat16 runs
+# element by element (measured ~10x slower than on float32), while a float32 word made of two
+# bfloat16 values has the exponent of its high half, so it is NaN or inf exactly when that half
+# is not finite, and its magnitude is that half's to within one bfloat16 step (an upper bound).
+# Read at byte offsets 0 and 2 (numpy reads unaligned words), every value but the first is a
+# high half once: two vectorised reductions over the bytes, about half a memcpy of them
+# (docs/benchmarks.md). float16's exponent does not line up with float32's: its magnitude bits
+# (sign cleared) are compared instead, a chunk at a time.
+_NON_FINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_CHUNK = 1 << 20  # elements per masked chunk: the mask buffer stays in cache
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise `BadValuesError` unless every value ``plan`` would write is finite in the engine's
+    dtype and every tensor it reads has data; read-only, nothing is written.
+
+    Raises:
+        BadValuesError: naming the weight (and, for a computed weight, which of its inputs)
+            and what was found.
+    """
+    seen: dict[int, float] = {}
+    for w in plan.weights:
+        _check_weight(w, plan.dtype, seen)
+    if plan.adapter is not None:
+        _check_adapter(plan.adapter, plan.dtype, seen)
+
+
+def _check_weight(w: Weight, dtype: torch.dtype, seen: dict[int, float]) -> None:
+    tensors = [x for x in w.inputs if isinstance(x, torch.Tensor)]
+    if not tensors:  # computed from tensors the plan does not list: check what it produces
+        if not _collective():
+            _check_produced(w, dtype)
+        return
+    peaks = [_peak(w.name, x, seen, _role(w, i)) for i, x in enumerate(tensors)]
+    if not w.merged:
+        bound = peaks[0]
+    else:
+        bound = _merged_bound(w.inputs, peaks)
+        if bound > torch.finfo(torch.float32).max:  # the merge itself runs in float32
+            _check_produced(w, dtype)
+            return
+    if not _fits(bound, dtype):
+        if w.merged:  # the bound is loose: decide on the value itself
+            _check_produced(w, dtype)
+            return
+        raise BadValuesError(
+            f"{w.name}: the trainer's tensor holds a value of magnitude {bound:.4g}, beyond what "
+            f"the engine's {_short(dtype)} can hold ({torch.finfo(dtype).max:.4g}): it would be "
+            "sent as inf. Nothing was written."
+        )
+
+
+def _check_adapter(adapter: Adapter, dtype: torch.dtype, seen: dict[int, float]) -> None:
+    for key, t in adapter.tensors.items():
+        peak = _peak(f"adapter {adapter.name!r} tensor {key}", t, seen, "")
+        if not _fits(peak, dtype):
+            raise BadValuesError(
+                f"adapter {adapter.name!r} tensor {key} holds a value of magnitude {peak:.4g}, "
+                f"beyond what the engine's {_short(dtype)} can hold: the engine would apply inf. "
+                "Nothing was written."
+            )
+
+
+def _role(w: Weight, i: int) -> str:
+    """How input ``i`` of ``w`` enters it, for the message."""
+    if not w.merged or i == 0:
+        return "" if len([x for x in w.inputs if isinstance(x, torch.Tensor)]) == 1 else " (base)"
+    return " (one of its LoRA factors)"
+
+
+def _peak(name: str, t: torch.Tensor, seen: dict[int, float], role: str) -> float:
+    """The largest magnitude in ``t`` (this rank's shard of a sharded one), checked to have
+    data and to be finite; each tensor is read once per plan."""
+    if id(t) in seen:
+        return seen[id(t)]
+    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local.detach()
+    if local.device.type == "meta":
+        raise BadValuesError(
+            f"{name}{role} is on the meta device: it has a shape but no values (a parameter not "
+            "loaded yet, or offloaded, e.g. by accelerate's init_empty_weights or device_map "
+            "offload). Load or gather it onto a real device before syncing. Nothing was written."
+        )
+    needed = (local.storage_offset() + _extent(local)) * local.element_size()
+    if local.numel() and local.untyped_storage().nbytes() < needed:
+        raise BadValuesError(
+            f"{name}{role} has no data: its storage holds "
+            f"{local.untyped_storage().nbytes()} bytes, its shape {list(local.shape)} needs "
+            f"{needed} (storage freed, as FSDP does to an unsharded parameter outside its "
+            "forward, or offloaded). Gather it before syncing. Nothing was written."
+        )
+    peak = _largest(local) if local.numel() else 0.0
+    if peak != peak or peak == float("inf"):
+        nan = int(torch.isnan(local).sum())
+        inf = int(torch.isinf(local).sum())
+        raise BadValuesError(
+            f"{name}{role} holds {nan} NaN and {inf} inf value(s) (of {local.numel()}); an "
+            "engine serving it would generate garbage. Nothing was written. Find where the "
+            "training step diverged (a learning rate too high, a loss without a guard)."
+        )
+    seen[id(t)] = peak
+    return peak
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last, inclusive (its strides allowed)."""
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+
+
+def _largest(t: torch.Tensor) -> float:
+    """max |t| (bfloat16 on CPU: an upper bound within one step), NaN if ``t`` holds NaN or
+    inf (16-bit) or NaN (wider), inf if a wider ``t`` holds inf and no NaN."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        return _largest_bf16(t.contiguous().reshape(-1))
+    if t.dtype == torch.float16:
+        return _largest_bits(t)
+    if not t.is_floating_point():
+        return float(t.abs().max())
+    lo, hi = torch.aminmax(t)
+    lo_, hi_ = float(lo), float(hi)
+    if lo_ != lo_ or hi_ != hi_:
+        return float("nan")
+    return max(-lo_, hi_)
+
+
+def _largest_bf16(flat: torch.Tensor) -> float:
+    import numpy as np
+
+    first = float(flat[0])
+    words = flat.view(torch.int16).numpy()
+    data = words.view(np.uint8)
+    n = words.size
+    peaks = [abs(first)]
+    for offset, count in ((0, n // 2), (2, (n - 1) // 2)):
+        if count:
+            view = np.frombuffer(data, dtype=np.float32, count=count, offset=offset)
+            peaks += [abs(float(view.min())), abs(float(view.max()))]
+    if any(p != p or p == float("inf") for p in peaks):
+        return float("nan")
+    return max(peaks)
+
+
+def _largest_bits(t: torch.Tensor) -> float:
+    bits = t.contiguous().reshape(-1).view(torch.int16)
+    buf = torch.empty(min(_CHUNK, bits.numel()), dtype=torch.int16, device=bits.device)
+    top = 0
+    for start in range(0, bits.numel(), _CHUNK):
+        part = bits[start : start + _CHUNK]
+        out = buf[: part.numel()]
+        torch.bitwise_and(part, 0x7FFF, out=out)
+        top = max(top, int(out.max()))
+    if top >= _NON_FINITE_BITS[t.dtype]:
+        return float("nan")
+    return abs(float(torch.tensor([top], dtype=torch.int16).view(t.dtype)))
+
+
+def _merged_bound(inputs: Iterable[torch.Tensor | float], peaks: list[float]) -> float:
+    """A bound on ``|W + sum_a s_a * B_a @ A_a|`` from the magnitudes of its inputs, laid out as
+    ``weightsync.trainer.tensors`` lists them: the base, then per adapter its factors (A first,
+    ``(r, ...)``; B; B's bias if any) and its scale."""
+    it = iter(peaks)
+    bound = next(it)
+    group: list[tuple[torch.Tensor, float]] = []
+    items = list(inputs)[1:]
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            group.append((x, next(it)))
+            continue
+        if group:
+            (a, pa), *rest = group
+            rank = a.shape[0] if a.dim() else 1
+            pb = rest[0][1] if rest else 1.0
+            extra = sum(p for _, p in rest[1:])
+            bound += abs(float(x)) * (rank * pa * pb + extra)
+        group = []
+    return bound
+
+
+def _check_produced(w: Weight, dtype: torch.dtype) -> None:
+    value = w.produce(dtype)
+    peak = _largest(value.detach()) if value.is_floating_point() and value.numel() else 0.0
+    if peak != peak or peak == float("inf"):
+        raise BadValuesError(
+            f"{w.name}: computed on the trainer's side (a merged LoRA weight), it is not "
+            f"finite in the engine's {_short(dtype)} although its inputs are: the adapter's "
+            "contribution overflows. Nothing was written."
+        )
+
+
+def _collective() -> bool:
+    """Whether producing a weight may be a collective (ranks of a sharded trainer plan apart and
+    agree afterwards; one rank producing alone would wait for the others forever)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _fits(peak: float, dtype: torch.dtype) -> bool:
+    """Whether a value of magnitude ``peak`` stays finite cast to ``dtype``."""
+    if not dtype.is_floating_point:
+        return True
+    return bool(torch.isfinite(torch.tensor([peak], dtype=torch.float64).to(dtype)).all())
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
