@@ -199,10 +199,15 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                 it was handed to verl's rollout side with ``all_or_nothing``), or producing a
                 weight failed (the rollout ranks were told to abandon the sync).
         """
-        if self._sync.get("rank") != 0:
+        if not self.is_master:
             async for _ in _pairs(weights):
                 pass
             return {}
+        if self._sync.get("rank") != 0:
+            raise WeightSyncError(
+                "send_weights before init_process_group: verl's CheckpointEngineManager calls "
+                "prepare, build_topology and init_process_group first, every sync"
+            )
         group, signer = self._sync["group"], self._sync["signer"]
         start, count, wire, whole = time.perf_counter(), 0, 0, 0
         try:
