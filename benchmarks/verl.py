@@ -113,6 +113,8 @@ class Actor(ActorRolloutRefWorker):
         if self._is_rollout:  # verl's naive backend: the rollout in the actor's process
             rollout = omega_conf_to_dataclass(self.config.rollout, RolloutConfig)
             self.rollout = Recorder(rollout, SimpleNamespace(path=self.model_path))
+            self.base_sync_done = "dummy" not in self.config.rollout.load_format  # as verl's
+            self.layered_summon, self.peft_merge = False, False
             # Its update_weights(mode="naive") tunes CUDA's allocator and logs GPU memory
             # around the hand-over, which fail without CUDA: those three calls do nothing here.
             import verl.workers.engine_workers as workers
@@ -272,24 +274,22 @@ class Run:
             model_path=model_path,
             dtype=dtype,
         )
-        self.actors = RayWorkerGroup(
-            resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1),
-            ray_cls_with_init=actor_cls,
-        )
+        self.actor_pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+        self.actors = RayWorkerGroup(resource_pool=self.actor_pool, ray_cls_with_init=actor_cls)
         self.actors.init_model()
         model_config = HFModelConfig(path=model_path)
         rollout_config = omega_conf_to_dataclass(OmegaConf.create(rollout), RolloutConfig)
         self.replicas: list = []
-        self.rollouts = None
+        self.rollouts = self.rollout_pool = None
         if backend != "naive":
             rollout_cls = RayClassWithInitArgs(
                 cls=ray.remote(Rollout),
                 rollout_config=rollout_config,
                 model_config=model_config,
             )
+            self.rollout_pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
             self.rollouts = RayWorkerGroup(
-                resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1),
-                ray_cls_with_init=rollout_cls,
+                resource_pool=self.rollout_pool, ray_cls_with_init=rollout_cls
             )
             self.replicas = [
                 Replica(i, rollout_config, model_config, [w])
@@ -318,12 +318,16 @@ class Run:
         return (self.rollouts or self.actors).received()
 
     def close(self) -> None:
-        """Stop every worker (the cluster itself is the caller's)."""
+        """Stop every worker and free its placement group (the cluster itself is the
+        caller's)."""
         import ray
+        from ray.util import remove_placement_group
 
-        for group in (self.actors, self.rollouts):
+        for pool, group in ((self.actor_pool, self.actors), (self.rollout_pool, self.rollouts)):
             for worker in group.workers if group is not None else []:
                 ray.kill(worker)
+            for pg in (pool.pgs or []) if pool is not None else []:
+                remove_placement_group(pg)
 
 
 def mismatches(trainer: dict, received: dict) -> list[str]:
@@ -402,4 +406,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Under its importable name, so that Ray's workers import these classes instead of
+    # receiving them pickled by value (verl's worker classes do not pickle).
+    from benchmarks.verl import main as run_main
+
+    run_main()
