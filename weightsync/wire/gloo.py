@@ -75,26 +75,44 @@ def open_group(
     secret, runs while this rank waits in the rendezvous), and return ``(group, store)`` (keep
     both). A worker's error (no extension, unreachable host) is raised rather than the
     rendezvous timeout it causes."""
+    store = listen(host, port, timeout_s)
+    secret = secrets.token_hex(16)
+    joined = join(store.port, secret)
+    try:
+        group = rendezvous(store, host, 0, size, timeout_s, secret)
+    finally:
+        joined.result()
+    return group, store
+
+
+def listen(host: str, port: int, timeout_s: float) -> Any:
+    """The ``TCPStore`` of a rendezvous, listening on ``host:port`` only (0: a free port;
+    ``.port`` says which). For a caller whose workers learn the port before the group's size
+    is known (verl's ``prepare``, then ``init_process_group``); `open_group` otherwise."""
     from torch.distributed import TCPStore
 
-    timeout = timedelta(seconds=timeout_s)
     listening = socket.create_server((host, port), family=_family(host), backlog=128)
     bound = listening.getsockname()[1]
     fd = listening.detach()  # the store owns the socket from here on
     try:
-        store = TCPStore(
-            host, bound, size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+        return TCPStore(
+            host,
+            bound,
+            None,
+            True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
         )
     except BaseException:
         socket.close(fd)
         raise
-    secret = secrets.token_hex(16)
-    joined = join(store.port, secret)
-    try:
-        group = _group(store, host, 0, size, timeout, secret)
-    finally:
-        joined.result()
-    return group, store
+
+
+def rendezvous(store: Any, host: str, rank: int, size: int, timeout_s: float, secret: str) -> Any:
+    """``rank``'s end of the group of ``size`` under ``secret`` on ``store`` (rank 0 holds the
+    store `listen` made; every rank waits here until all have joined)."""
+    return _group(store, host, rank, size, timedelta(seconds=timeout_s), secret)
 
 
 class Link:
@@ -126,9 +144,8 @@ def join_group(
     ``(group, store)``."""
     from torch.distributed import TCPStore
 
-    timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, size, False, timeout=timeout)
-    return _group(store, host, rank, size, timeout, secret), store
+    store = TCPStore(host, port, size, False, timeout=timedelta(seconds=timeout_s))
+    return rendezvous(store, host, rank, size, timeout_s, secret), store
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> None:
@@ -169,8 +186,26 @@ def send_bucket(
     """One bucket's frame (``stream.frame``): its header, the bucket's bytes, and (with
     ``signer``) their tag; with ``copies`` (which need a ``signer``), a DELTA frame instead
     when ``copies`` has a base."""
-    kind, payload, tag = stream.frame(bucket, signer, copies)
-    _broadcast_frame(group, _header(kind, payload.size), tag, torch.from_numpy(payload))
+    send_frame(group, stream.frame(bucket, signer, copies))
+
+
+def send_frame(group: Any, frame: stream.Frame) -> None:
+    """One BUCKET or DELTA frame (``stream.frame``): its header, its bytes, its tag."""
+    _broadcast_frame(
+        group, _header(frame.kind, frame.payload.size), frame.tag, torch.from_numpy(frame.payload)
+    )
+
+
+def send_end(group: Any, count: int, signer: Signer | None = None) -> None:
+    """The END frame of a stream of ``count`` frames (tagged by ``signer``, if any)."""
+    _broadcast_frame(
+        group, _header(Kind.END, count), stream.end_tag(signer, count) if signer else ""
+    )
+
+
+def send_abort(group: Any) -> None:
+    """The ABORT frame: the workers abandon what they received of the stream."""
+    broadcast(group, _header(Kind.ABORT))
 
 
 def send(
@@ -197,12 +232,10 @@ def send(
             count += 1
     except BaseException:
         if not received.done():
-            broadcast(group, _header(Kind.ABORT))
+            send_abort(group)
         received.exception()  # wait: the workers have restored their layers
         raise
-    _broadcast_frame(
-        group, _header(Kind.END, count), stream.end_tag(signer, count) if signer else ""
-    )
+    send_end(group, count, signer)
     received.result()
 
 
