@@ -40,8 +40,8 @@ class AdapterSync(Strategy):
     default_reason = "adapter-only sync requested"
 
     def _plan(self, model: nn.Module, engine: Engine) -> Plan:
-        served, copies = adapter_part(model, engine)
-        base, why = adapter_base(model, engine, [t.name for t in trained_copies(model)])
+        served, copies, sent = adapter_part(model, engine)
+        base, why = adapter_base(model, engine, sent)
         if base is None:
             raise BaseUnprovenError(
                 f"{self.label}: nothing was written: the adapter would land on a base it was not "
@@ -61,10 +61,12 @@ class AdapterSync(Strategy):
         )
 
 
-def adapter_part(model: nn.Module, engine: Engine) -> tuple[Adapter, list[Weight]]:
-    """The adapter of ``model`` and its ``modules_to_save`` copies, checked against ``engine``."""
+def adapter_part(model: nn.Module, engine: Engine) -> tuple[Adapter, list[Weight], list[str]]:
+    """The adapter of ``model`` and its ``modules_to_save`` copies, checked against ``engine``
+    (as the engine loads them), and the copies' checkpoint names."""
     served = adapter(model)
     engine.check_adapter(served)
-    copies = in_engine_format(trained_copies(model), engine)
+    trained = trained_copies(model)
+    copies = in_engine_format(trained, engine)
     check_names(copies, engine, complete=False)
-    return served, copies
+    return served, copies, [t.name for t in trained]

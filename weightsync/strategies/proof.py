@@ -29,11 +29,12 @@ and the address sees a replaced tensor (``p.data = ...``); writes through ``.dat
 (``p.data.add_``, PEFT's in-place ``merge_adapter`` / ``unmerge_adapter``) bump no counter,
 and are seen by the sample when they change any sampled element -- a whole-tensor update does,
 with near certainty; a write to a few unsampled elements alone does not. Rehashing the whole
-base at every adapter sync would cost more than the sync (about 0.1 s a GB against 25 ms for a
-rank-16 adapter on a 0.5B model, docs/benchmarks.md); a `FullSync` with ``skip_unchanged``
-rehashes every frozen tensor it may skip, every sync, and refreshes what is kept. A tensor on
-a GPU, or sharded, is keyed by identity and version counter alone (hashing it would need a
-device copy or a gather): there a ``.data`` write is not seen.
+base at every adapter sync would cost several times the sync itself (docs/failure-modes.md,
+row 37); a `FullSync` with ``skip_unchanged`` rehashes every frozen tensor it may skip, every
+sync, and refreshes what is kept. Where each base tensor lives is found once per model
+(`unmerged_base`), not by walking the model at every sync. A tensor on a GPU, or sharded, is
+keyed by identity and version counter alone (hashing it would need a device copy or a
+gather): there a ``.data`` write is not seen.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..engines.base import CHECKPOINT, Engine
 from ..errors import NoCheckpointError, UnsupportedModelError
 from ..plan import Weight, digest
 from ..trainer import peft_support
-from ..trainer.tensors import base_tensors
+from ..trainer.tensors import base_tensors, uncompiled
 
 #: Elements of a tensor whose digest is part of its fingerprint (spread evenly over it).
 SAMPLED_ELEMENTS = 64
@@ -61,19 +62,19 @@ _DIGESTS: dict[int, tuple[weakref.ref, tuple, tuple]] = {}
 
 
 def _fingerprint(x: torch.Tensor) -> tuple:
-    flat = x.detach().reshape(-1)
-    step = max(1, flat.numel() // SAMPLED_ELEMENTS)
-    sample = flat[::step].contiguous().view(torch.uint8).numpy()
     import xxhash
 
+    size = x.element_size()
+    elements = x.detach().reshape(-1).view(torch.uint8).numpy().reshape(-1, size)
+    sample = elements[:: max(1, len(elements) // SAMPLED_ELEMENTS)]
     return (
         x.data_ptr(),
         x._version,
         x.dtype,
-        tuple(x.shape),
+        x.shape,
         x.stride(),
         x.storage_offset(),
-        xxhash.xxh3_64_intdigest(sample.data),
+        xxhash.xxh3_64_intdigest(sample.tobytes()),
     )
 
 
@@ -101,7 +102,12 @@ def base_key(t: Weight, *, fresh: bool = False) -> tuple | None:
     a trainable one: the adapter's base cannot be proven from it)."""
     if t.merged or len(t.inputs) != 1 or not isinstance(t.inputs[0], torch.Tensor):
         return None
-    x = t.inputs[0]
+    return tensor_key(t.inputs[0], fresh=fresh)
+
+
+def tensor_key(x: torch.Tensor, *, fresh: bool = False) -> tuple | None:
+    """`base_key` of a tensor sent as it is: its content digest (`digest_of`) for a plain CPU
+    tensor, its identity and version counter for a device or sharded one, None if trainable."""
     if x.requires_grad:
         return None
     if x.device.type == "cpu" and not hasattr(x, "full_tensor"):
@@ -124,12 +130,7 @@ def adapter_base(
     held, source, why = engine.held_base()
     if held is None:
         return None, why
-    skip = set(sent)
-    base = [
-        t
-        for t in base_tensors(model, merge_lora=False, expected=engine.expected_weights)
-        if t.name not in skip
-    ]
+    base = unmerged_base(model, engine, set(sent))
     if held == CHECKPOINT:
         try:
             why_not = checkpoint_differs(model, engine)
@@ -140,25 +141,95 @@ def adapter_base(
                 "weightsync has written no base into the engine, and its own checkpoint is "
                 f"not the trainer's base: {why_not}"
             )
-        keys = base_keys(base)
-        unkeyed = [t.name for t in base if t.name not in keys]
-        if unkeyed:
-            return None, f"the trainer's base is not frozen at {_few(unkeyed)}"
+    found = {name: tensor_key(x) if x is not None else None for name, x in base}
+    unkeyed = [name for name, key in found.items() if key is None]
+    if unkeyed:
+        return None, f"the trainer's base is not frozen at {_few(unkeyed)}"
+    keys = {name: key for name, key in found.items() if key is not None}
+    if held == CHECKPOINT:
         return keys, ""
     assert isinstance(held, Mapping)
-    keys = base_keys(base)
-    differ = [t.name for t in base if t.name not in keys or held.get(t.name) != keys[t.name]]
+    differ = [name for name, key in keys.items() if held.get(name) != key]
     if differ:
+        merged = any(name not in held for name in differ)
         return None, (
             f"the engine's base was last written by {source}, and {len(differ)} of its "
             f"weights are not the trainer's frozen base now ({_few(differ)}): "
             + (
                 "an adapter merged into them, or trained base weights"
-                if any(t.name not in held for t in base)
+                if merged
                 else "the trainer's frozen base changed since it was sent"
             )
         )
     return keys, ""
+
+
+# model -> (what the paths were found for, [(checkpoint name, parameter path or "")]): the
+# walk of the base (`base_tensors`) costs more than the rest of an adapter sync's proof, so
+# where each base tensor lives is found once; the tensors are read where they are now.
+_BASE_PATHS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, list[tuple[str, str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def unmerged_base(
+    model: nn.Module, engine: Engine, sent: set[str]
+) -> list[tuple[str, torch.Tensor | None]]:
+    """(checkpoint name, the trainer tensor the engine holds under it unmerged; None: none
+    sent as it is) for every base weight of ``model`` but ``sent``, as
+    ``base_tensors(model, merge_lora=False)`` finds them.
+
+    Where each lives (a parameter path) is kept per model and engine contract; a path that no
+    longer holds a parameter of its own (a layer PEFT wrapped since) finds them all again.
+    """
+    model = uncompiled(model)
+    expected = engine.expected_weights
+    signature = (id(expected), len(expected))
+    kept = _BASE_PATHS.get(model)
+    if kept is not None and kept[0] == signature:
+        found = _resolved(model, kept[1], sent)
+        if found is not None:
+            return found
+    paths = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    entries = []
+    for t in base_tensors(model, merge_lora=False, expected=expected):
+        x = t.inputs[0] if len(t.inputs) == 1 and not t.merged else None
+        entries.append((t.name, paths.get(id(x), "") if isinstance(x, torch.Tensor) else ""))
+    _BASE_PATHS[model] = (signature, entries)
+    found = _resolved(model, entries, sent)
+    assert found is not None  # just found
+    return found
+
+
+def _resolved(
+    model: nn.Module, entries: list[tuple[str, str]], sent: set[str]
+) -> list[tuple[str, torch.Tensor | None]] | None:
+    modules: dict[str, nn.Module] = {"": model}
+
+    def module(path: str) -> nn.Module | None:
+        if path not in modules:
+            parent, _, atom = path.rpartition(".")
+            above = module(parent)
+            child = above._modules.get(atom) if above is not None else None
+            if child is None:
+                return None
+            modules[path] = child
+        return modules[path]
+
+    out: list[tuple[str, torch.Tensor | None]] = []
+    for name, path in entries:
+        if name in sent:
+            continue
+        if not path:
+            out.append((name, None))
+            continue
+        owner, _, attr = path.rpartition(".")
+        holder = module(owner)
+        p = holder._parameters.get(attr) if holder is not None else None
+        if p is None:
+            return None
+        out.append((name, p))
+    return out
 
 
 def checkpoint_differs(model: nn.Module, engine: Engine) -> str:

@@ -11,13 +11,7 @@ from ..engines.base import Engine
 from ..errors import UnsupportedModelError
 from ..plan import Adapter, Plan
 from ..trainer import peft_support
-from ..trainer.tensors import (
-    DEFAULT_BUCKET_BYTES,
-    adapter,
-    base_tensors,
-    is_peft,
-    trained_copies,
-)
+from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
 from .adapter import adapter_part
 from .base import Strategy, check_names, in_engine_format, quantization_note
 from .proof import base_keys, require_untouched_base
@@ -82,17 +76,17 @@ class ReloadWeights(Strategy):
                     "ReloadWeights(snapshot_dir=...) to reload the trainer's current weights."
                 )
             require_untouched_base(model, engine)
-            served, copies = adapter_part(model, engine)
+            served, copies, sent = adapter_part(model, engine)
             # The reloaded checkpoint is the trainer's base, as far as require_untouched_base
             # checks it (a sample): the trainer's keys become the engine's record of its base.
-            sent = {t.name for t in trained_copies(model)}
             unmerged = base_tensors(model, merge_lora=False, expected=engine.expected_weights)
+            skip = set(sent)
             return Plan(
                 **common,
                 reload="checkpoint",
                 weights=tuple(copies),
                 adapter=served,
-                base_after=base_keys(t for t in unmerged if t.name not in sent),
+                base_after=base_keys(t for t in unmerged if t.name not in skip),
             )
         notes: tuple[str, ...] = ()
         if is_peft(model):
