@@ -696,9 +696,12 @@ def walk_and_check(world, seed: int, steps: int) -> None:
     try:
         walk.run()
         syncs = [h for h in walk.history if "sync:" in h]
+        merged = sum("rollout_lora=False" in h or "lora='merge'" in h for h in syncs)
         print(
             f"[fuzz] seed {seed}: ok, {len(syncs)} syncs "
-            f"({sum('refused' in h for h in syncs)} refused)",
+            f"({sum('refused' in h for h in syncs)} refused"
+            + (f", {merged} merged into the served engine" if walk.served else "")
+            + ")",
             flush=True,
         )
     finally:
