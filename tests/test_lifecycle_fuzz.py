@@ -18,6 +18,10 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
   After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself,
   without telling weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset;
+- in the served set-up, merged syncs into the same engine now and then (a second ``Syncer``
+  told the engine does not serve LoRA, or ``FullSync(lora="merge")`` directly), and frameworks
+  that write the frozen base without marking it unsynced: the next served sync must restore the
+  base or refuse (the adapter's base proof, ``weightsync.strategies.proof``);
 - syncs by every entry point: ``Syncer.sync`` (or ``await Syncer.async_sync``),
   ``policy.choose`` + ``strategy.sync`` (the caller tracking ``base_sync_done`` and the sleep
   level as a framework does), a ``Replicas`` target, and ``weightsync.distributed.sync`` (with a
@@ -71,7 +75,7 @@ from weightsync.engines import (
     VLLMMultiprocEngine,
     VLLMServerEngine,
 )
-from weightsync.errors import WeightSyncError
+from weightsync.errors import BaseUnprovenError, WeightSyncError
 
 MAX_TOKENS = 8
 OTHER_LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "up_proj"])
@@ -301,6 +305,9 @@ class Walk:
         # Choices added after seeds were kept (FOUND) draw from their own generator, so every
         # kept seed still walks the rules it walked when it found its bug.
         self.side_rng = random.Random(f"side-{self.seed}")
+        # Merged syncs into a served world's engine, and frameworks that forget to say they
+        # wrote the base (issue 32): their own generator too.
+        self.mix_rng = random.Random(f"mix-{self.seed}")
         e = self.engines
         if self.target == "inproc":
             self.phys = [e["lora"] if self.setup == "served" else e["plain"]]
@@ -364,9 +371,11 @@ class Walk:
     def base_written(self) -> None:
         """A framework that writes the base of a served LoRA marks the base unsynced, so the
         next sync pushes it (FullSync) instead of the adapter alone."""
-        if self.served:
+        if self.served and self.mix_rng.random() < 0.5:
             self.syncer.base_sync_done = False
             self.fw_base_sync_done = False
+        elif self.served:  # not told: the adapter's base proof must see it
+            self.log("       (the framework does not mark the base unsynced)")
 
     def pick_frozen(self) -> tuple[str, torch.nn.Parameter]:
         params = self.frozen()
@@ -523,9 +532,26 @@ class Walk:
             sleep_level=sleep_level,
         )
 
+    def merged_entry(self) -> str:
+        """A merged sync into the served world's engine (the adapter inside the weights), by a
+        second Syncer told the engine does not serve LoRA, or by the strategy directly; the
+        walk's own Syncer and framework flag still believe the base is synced."""
+        if self.mix_rng.random() < 0.5:
+            line = "Syncer(engine, rollout_lora=False, base_sync_done=True).sync(model)"
+            self.pending_line = "sync: " + line
+            other = Syncer(self.engine, train_type="lora", rollout_lora=False, base_sync_done=True)
+            report = other.sync(self.model)
+        else:
+            line = "FullSync(lora='merge').sync(model, engine)"
+            self.pending_line = "sync: " + line
+            report = FullSync(lora="merge").sync(self.model, self.engine)
+        return f"{line} -> {report.strategy}, {report.tensors} tensors"
+
     def run_entry(self) -> str:
         """Run one sync through a random entry point; the history line says which."""
         entry = self.rng.choice(["syncer", "policy", "dist_syncer", "dist_policy"])
+        if self.served and self.mix_rng.random() < 0.3:
+            return self.merged_entry()
         report_how = "none"
         if self.known_level and entry in ("syncer", "dist_syncer"):
             options = ["arg", "mark"] if entry == "syncer" else ["mark"]
@@ -575,6 +601,8 @@ class Walk:
             except WeightSyncError as e:
                 self.log(f"{self.pending_line} -> refused: {type(e).__name__}: {str(e)[:160]}")
                 refused = e
+                if isinstance(e, BaseUnprovenError):  # a framework restores the base next
+                    self.fw_base_sync_done = False
             except Exception as e:  # noqa: BLE001
                 self.log(f"{self.pending_line} -> raised {type(e).__name__}: {str(e)[:300]}")
                 self.fail(f"the sync raised {type(e).__name__} (not a WeightSyncError): {e}")
@@ -668,9 +696,12 @@ def walk_and_check(world, seed: int, steps: int) -> None:
     try:
         walk.run()
         syncs = [h for h in walk.history if "sync:" in h]
+        merged = sum("rollout_lora=False" in h or "lora='merge'" in h for h in syncs)
         print(
             f"[fuzz] seed {seed}: ok, {len(syncs)} syncs "
-            f"({sum('refused' in h for h in syncs)} refused)",
+            f"({sum('refused' in h for h in syncs)} refused"
+            + (f", {merged} merged into the served engine" if walk.served else "")
+            + ")",
             flush=True,
         )
     finally:

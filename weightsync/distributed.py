@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import errors
-from .engines.base import Attestation, Engine, EngineFacts, adapt
+from .engines.base import CHECKPOINT, Attestation, Engine, EngineFacts, adapt
 from .execute import SyncReport, execute
 from .plan import Adapter, Plan
 from .strategies.base import Strategy
@@ -80,6 +80,14 @@ class _Facts(Engine):
     def check_adapter(self, adapter: Adapter) -> None:
         if self._real is not None:  # the other ranks learn the outcome when the ranks agree
             self._real.check_adapter(adapter)
+
+    def held_base(self) -> tuple[Mapping[str, tuple] | str | None, str, str]:
+        # The adapter's base is proven on src, against the real engine's record (the other
+        # ranks learn the outcome when the ranks agree); elsewhere only what the trainer's
+        # set-up says is checked (`strategies.proof`, as against an engine's checkpoint).
+        if self._real is not None:
+            return self._real.held_base()
+        return CHECKPOINT, "", ""
 
     def _cannot(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("weightsync.distributed: planning facts cannot write or generate")
@@ -162,7 +170,7 @@ def sync(
     facts: list[Any] = [None]
     if rank == src:
         try:
-            facts[0] = _prepare(how, engine)
+            facts[0] = _prepare(how, engine, model)
             real = syncer.engine if syncer is not None else adapt(engine)
         except Exception as exc:  # noqa: BLE001 -- every failure is shared with every rank
             facts[0] = {"error": _failure(exc)}
@@ -214,8 +222,10 @@ def sync(
     return report
 
 
-def _prepare(how: Strategy | Syncer | None, engine: Any) -> dict[str, Any]:
-    """On ``src``: the strategy to run and the engine's facts."""
+def _prepare(how: Strategy | Syncer | None, engine: Any, model: nn.Module) -> dict[str, Any]:
+    """On ``src``: the strategy to run and the engine's facts. A Syncer's choice is made with
+    the adapter's base proof (`Syncer.decide`), on ``src``'s model and engine record: the
+    other ranks hold no record of the engine, and plan what ``src`` decided."""
     if isinstance(how, Syncer):
         if engine is not None and adapt(engine) is not how.engine:
             raise ValueError("pass either a Syncer or an engine on the engine rank, not both")
@@ -225,7 +235,7 @@ def _prepare(how: Strategy | Syncer | None, engine: Any) -> dict[str, Any]:
                 "trainer's forward on the engine rank alone, which FSDP cannot. Create it with "
                 "verify=False and verify on an unsharded copy if you need to"
             )
-        return _facts_of(how.engine, how.choose())
+        return _facts_of(how.engine, how.decide(model))
     if not isinstance(how, Strategy):
         raise TypeError(f"the engine rank needs a Strategy or a Syncer, got {type(how).__name__}")
     if engine is None:

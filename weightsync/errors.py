@@ -41,6 +41,19 @@ class BaseDiscardedError(WeightSyncError, RuntimeError):
     (vllm#29341). Only FullSync or ReloadWeights can follow a level-2 sleep."""
 
 
+class BaseUnprovenError(WeightSyncError, RuntimeError):
+    """An adapter was to be sent alone, but nothing proves the engine holds the base it was
+    trained against (a merged sync since, a base written by someone else or from another
+    model, a frozen base changed on the trainer's side, or an unknown state): loaded onto
+    another base, the adapter would serve wrong tokens without a word. Nothing was written;
+    restore the base with the adapter (FullSync(lora="separate"), which `Syncer` plans by
+    itself). See `weightsync.strategies.proof`. ``why`` says what is not proven."""
+
+    def __init__(self, message: str, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why
+
+
 class EngineChangedError(WeightSyncError, RuntimeError):
     """The engine's epoch moved between planning a sync and writing it (someone slept, woke,
     reloaded or wrote it meanwhile), and the plan skipped weights it may no longer hold.

@@ -111,7 +111,12 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
         engine.mark_lost()  # a part-written engine holds nothing we can vouch for
         raise
     # A folder reload re-read what it holds from disk: keep no record (skipping is off once).
-    engine.remember({} if plan.reload else plan.held_after, restored=plan.restores_base)
+    engine.remember(
+        {} if plan.reload else plan.held_after,
+        restored=plan.restores_base,
+        base=plan.base_after,
+        source=plan.strategy,
+    )
     return SyncReport(
         strategy=plan.strategy,
         reason=plan.reason,

@@ -154,6 +154,10 @@ class Plan:
             written) if the engine's epoch moved before it starts.
         held_after: what the engine holds once the plan is executed (name -> content key), for
             the next plan's skipping; empty when nothing may be skipped next time.
+        base_after: the base the engine holds once the plan is executed, by the unmerged
+            trainer tensor each name received (name -> `strategies.proof.base_key`; a merged
+            or trainable weight has none): what proves an adapter sent alone later lands on
+            the base it was trained against. None: unknown (nothing may be sent alone onto it).
     """
 
     strategy: str
@@ -172,6 +176,7 @@ class Plan:
     skip_note: str = ""
     attested: Hashable | None = field(default=None, repr=False)
     held_after: dict = field(default_factory=dict, repr=False)
+    base_after: dict | None = field(default=None, repr=False)
 
     @property
     def weight_bytes(self) -> int:

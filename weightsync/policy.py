@@ -13,6 +13,11 @@ lora         True          True            2            FullSync (base + adapter
 lora         True          True            0, 1         AdapterSync
 ===========  ============  ==============  ===========  =====================================
 
+``base_sync_done`` is the caller's word; the AdapterSync it leads to still proves, before it
+writes, that the engine holds the base the adapter was trained against
+(`weightsync.strategies.proof`: not after a merged sync, nor onto another base) and refuses
+otherwise; `weightsync.Syncer` then restores the base with the adapter instead.
+
 A FullSync chosen for ``sleep_level`` 1 or 2 skips nothing (``skip_unchanged=False``): the caller
 says the engine slept, so no record of what it held counts.
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from torch import nn
 
 from . import policy
 from .engines.base import Engine, adapt
+from .errors import BaseUnprovenError
+from .execute import execute
 from .plan import Plan
-from .strategies import Strategy, SyncReport
+from .strategies import AdapterSync, FullSync, ReloadWeights, Strategy, SyncReport
 from .verify import check_engine
 
 logger = logging.getLogger(__name__)
@@ -99,8 +102,37 @@ class Syncer:
 
     def plan(self, model: nn.Module, *, sleep_level: int | None = None) -> Plan:
         """What the next `sync` would write, checked, with nothing written:
-        ``print(syncer.plan(model))`` explains the choice and its cost."""
-        return self.choose(sleep_level).plan(model, self.engine)
+        ``print(syncer.plan(model))`` explains the choice and its cost.
+
+        Where the policy picks `AdapterSync` but nothing proves the engine holds the base the
+        adapter was trained against (a merged sync since, by another Syncer or a strategy
+        called directly; a base written by someone else; a frozen base changed on the
+        trainer's side; see `weightsync.strategies.proof`), the base is restored with the
+        adapter instead (FullSync base + adapter, or ReloadWeights with ``prefer_reload``),
+        and the plan's reason says why."""
+        return self._plan(self.choose(sleep_level), model)[1]
+
+    def decide(self, model: nn.Module, *, sleep_level: int | None = None) -> Strategy:
+        """The strategy the next `sync` of ``model`` would run: `choose`'s, or the base
+        restore `plan` puts in place of an `AdapterSync` whose base is not proven."""
+        return self._plan(self.choose(sleep_level), model)[0]
+
+    def _plan(self, strategy: Strategy, model: nn.Module) -> tuple[Strategy, Plan]:
+        try:
+            return strategy, strategy.plan(model, self.engine)
+        except BaseUnprovenError as err:
+            if not isinstance(strategy, AdapterSync):
+                raise
+            why = err.why
+            restore: Strategy = (
+                ReloadWeights(reason=f"the engine's base is not proven: {why}; reloading it")
+                if self.prefer_reload
+                else FullSync(
+                    lora="separate",
+                    reason=f"the engine's base is not proven: {why}; pushing base + adapter",
+                )
+            )
+            return restore, restore.plan(model, self.engine)
 
     def sync(self, model: nn.Module, *, sleep_level: int | None = None) -> SyncReport:
         """Choose, sync ``model`` into the engine, and update ``base_sync_done``.
@@ -111,12 +143,14 @@ class Syncer:
 
         Raises whatever the strategy or the verification raises; nothing is swallowed.
         """
+        start = time.perf_counter()
         strategy = self.choose(sleep_level)
         self.base_sync_done = False
-        report = strategy.sync(model, self.engine)
+        plan = self._plan(strategy, model)[1]
+        report = execute(plan, self.engine, started=start)
         report = dataclasses.replace(report, weights_version=synced_version(self.engine, report))
         if self.verify:
-            diff = check_engine(model, self.engine, strategy=strategy.label, step=self.step)
+            diff = check_engine(model, self.engine, strategy=plan.strategy, step=self.step)
             report = dataclasses.replace(report, verified_logprob_diff=diff)
         self.base_sync_done = True
         logger.info(

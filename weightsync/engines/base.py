@@ -23,7 +23,18 @@ from typing import Any, cast
 from ..errors import BadArgumentError, BaseDiscardedError, EngineAsleepError
 from .contract import Attestation, EngineContract, EngineFacts
 
-__all__ = ["Attestation", "Engine", "EngineContract", "EngineFacts", "adapt", "register"]
+__all__ = [
+    "CHECKPOINT",
+    "Attestation",
+    "Engine",
+    "EngineContract",
+    "EngineFacts",
+    "adapt",
+    "register",
+]
+
+#: `Engine.held_base` of an engine weightsync never wrote: it holds its own checkpoint.
+CHECKPOINT = "checkpoint"
 
 
 class Engine(EngineContract):
@@ -45,6 +56,11 @@ class Engine(EngineContract):
         self._held_epoch: Hashable | None = None
         #: What the engine attested when `check_writable` last let a write through.
         self._checked: Attestation | None = None
+        #: The base the engine holds from weightsync's writes since the last completed base
+        #: restore (checkpoint name -> `strategies.proof.base_key` of the unmerged trainer
+        #: tensor), and the strategy that wrote it; None: weightsync wrote nothing yet.
+        self._base: dict[str, tuple] | None = None
+        self._base_source = ""
 
     # --- the lifecycle, as the trainer records it -------------------------------------------
 
@@ -78,6 +94,7 @@ class Engine(EngineContract):
         failed part-way): until a full restore, only a strategy that restores the base may
         run, and nothing is skipped."""
         self._known_harm = 2
+        self._base, self._base_source = {}, "a write that failed part-way (or failed verification)"
         self.forget()
 
     # --- what the engine attests, with what the trainer knows ---------------------------------
@@ -162,9 +179,18 @@ class Engine(EngineContract):
             )
         return dict(self._held), now.epoch, ""
 
-    def remember(self, held: Mapping[str, tuple], *, restored: bool) -> None:
+    def remember(
+        self,
+        held: Mapping[str, tuple],
+        *,
+        restored: bool,
+        base: Mapping[str, tuple] | None = None,
+        source: str = "",
+    ) -> None:
         """After a completed write: the engine holds ``held`` (name -> content key) at the
-        epoch it attests now; ``restored``: every base weight was written.
+        epoch it attests now; ``restored``: every base weight was written; ``base``: the base
+        the engine holds now, by `strategies.proof.base_key` (None: unknown, as after a write
+        that did not say), written by the strategy ``source``.
 
         A write that is not a restore (an adapter sync that also sends a trained head copy)
         moved the epoch itself; if the base was intact when it started (the attestation
@@ -172,16 +198,41 @@ class Engine(EngineContract):
         before (a level-1 sleep)."""
         before = self._checked
         now = self.attest()
+        kept = restored or (before is not None and before.harm < 2 and now.epoch is not None)
         if restored:
             self._restored_at = now.epoch
             self._known_harm = 0
-        elif before is not None and before.harm < 2 and now.epoch is not None:
+        elif kept:
             self._restored_at = now.epoch
-            self._known_harm = max(self._known_harm, before.harm)
+            self._known_harm = max(self._known_harm, before.harm if before else 0)
+        self._base = dict(base) if kept and base is not None else {}
+        self._base_source = source or "a write that recorded no base"
         if held and now.epoch is not None:
             self._held, self._held_epoch = dict(held), now.epoch
         else:
             self.forget()
+
+    def held_base(self) -> tuple[Mapping[str, tuple] | str | None, str, str]:
+        """The base the engine holds now, as far as it is proven: ``(keys, source, "")`` --
+        checkpoint name -> `strategies.proof.base_key` of what weightsync wrote, by the
+        strategy ``source``, which the engine attests is still there (no harm 2 since: a
+        level-1 sleep keeps it); ``(CHECKPOINT, "", "")`` when weightsync wrote nothing into
+        the engine and it attests no weight write since weightsync first watched it (it
+        holds its own checkpoint); else ``(None, "", why not)``."""
+        now = self.attest()
+        if now.harm >= 2:
+            return (
+                None,
+                "",
+                (
+                    "the engine's base may be gone or replaced since the last full restore (a "
+                    "level-2 sleep, a write by someone else, a restart, a failed write, or an "
+                    "engine that cannot attest its state)"
+                ),
+            )
+        if self._base is None:
+            return CHECKPOINT, "", ""
+        return dict(self._base), self._base_source, ""
 
     def forget(self) -> None:
         """Drop the record of what the engine holds: the next full sync sends everything."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import WeightSyncError
 from ..plan import Adapter, Bucket
-from .base import Attestation, Engine, EngineFacts, adapt
+from .base import CHECKPOINT, Attestation, Engine, EngineFacts, adapt
 
 
 class _Abort(Exception):
@@ -189,9 +189,40 @@ class Replicas(Engine):
         common = {k: v for k, v in records[0].items() if all(r.get(k) == v for r in records[1:])}
         return common, self.attest().epoch, ""
 
-    def remember(self, held: Mapping[str, tuple], *, restored: bool) -> None:
+    def remember(
+        self,
+        held: Mapping[str, tuple],
+        *,
+        restored: bool,
+        base: Mapping[str, tuple] | None = None,
+        source: str = "",
+    ) -> None:
         for e in self.engines:
-            e.remember(held, restored=restored)
+            e.remember(held, restored=restored, base=base, source=source)
+
+    def held_base(self) -> tuple[Mapping[str, tuple] | str | None, str, str]:
+        """The base *every* replica holds, by its own record: the names on which all agree,
+        or the checkpoint if every replica holds its own (one stream feeds them all)."""
+        each = [e.held_base() for e in self.engines]
+        for i, (held, _, why) in enumerate(each):
+            if held is None:
+                return None, "", f"replica {i}: {why}"
+        if all(held == CHECKPOINT for held, _, _ in each):
+            return CHECKPOINT, "", ""
+        if any(held == CHECKPOINT for held, _, _ in each):
+            return (
+                None,
+                "",
+                "some replicas hold their own checkpoint, others a base weightsync wrote",
+            )
+        first = each[0][0]
+        assert isinstance(first, Mapping)
+        common = {
+            k: v
+            for k, v in first.items()
+            if all(isinstance(h, Mapping) and h.get(k) == v for h, _, _ in each[1:])
+        }
+        return common, each[0][1], ""
 
     def forget(self) -> None:
         for e in self.engines:

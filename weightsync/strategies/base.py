@@ -115,7 +115,13 @@ class Skip:
     attested: Hashable | None
 
 
-def unchanged(tensors: list[Weight], engine: Engine, *, enabled: bool = True) -> Skip:
+def unchanged(
+    tensors: list[Weight],
+    engine: Engine,
+    *,
+    enabled: bool = True,
+    digests: dict[int, tuple] | None = None,
+) -> Skip:
     """Split a full sync's ``tensors`` into those to send and those the engine already holds.
 
     A tensor is skipped only when both sides prove it unchanged: on the trainer side its
@@ -129,13 +135,14 @@ def unchanged(tensors: list[Weight], engine: Engine, *, enabled: bool = True) ->
     of its tensors is not finished.
 
     ``enabled=False`` (``FullSync(skip_unchanged=False)``, or a sleep the caller reported)
-    sends everything and records nothing.
+    sends everything and records nothing. ``digests``: digests computed anew for this plan
+    already (by input tensor id), reused rather than hashed again.
     """
     if not enabled:
         return Skip(list(tensors), [], [], {}, "skip_unchanged is off for this sync", None)
     if not engine.keeps_unsent_layers:
         return Skip(list(tensors), [], [], {}, "this engine re-processes every layer", None)
-    digests: dict[int, tuple] = {}
+    digests = dict(digests or {})
     keys = {t.name: content_key(t, digests) for t in tensors}
     held_after = {name: key for name, key in keys.items() if key is not None}
     record, epoch, why_not = engine.skippable()

@@ -8,10 +8,11 @@ from torch import nn
 
 from ..engines.base import Engine
 from ..errors import AdapterError
-from ..plan import Plan
+from ..plan import Plan, Weight
 from ..trainer import peft_support
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
 from .base import Strategy, check_names, in_engine_format, quantization_note, unchanged
+from .proof import base_keys
 
 LoraMode = Literal["merge", "separate"]
 
@@ -91,10 +92,16 @@ class FullSync(Strategy):
         tensors = base_tensors(
             model, merge_lora=peft and mode == "merge", expected=engine.expected_weights
         )
+        # What an adapter sent alone later must find (strategies/proof.py): recorded only where
+        # one can be (an engine serving LoRA). With skip_unchanged, every frozen tensor is
+        # hashed anew here anyway, and the skip below reuses those digests.
+        base = base_keys(tensors, fresh=self.skip_unchanged) if engine.serves_lora else None
         tensors = in_engine_format(tensors, engine)
         notes += quantization_note(engine)
         check_names(tensors, engine, complete=True)
-        skip = unchanged(tensors, engine, enabled=self.skip_unchanged)
+        skip = unchanged(
+            tensors, engine, enabled=self.skip_unchanged, digests=_digests(tensors, base)
+        )
         return Plan(
             strategy=self.label,
             reason=self.reason,
@@ -110,4 +117,17 @@ class FullSync(Strategy):
             skip_note=skip.note,
             attested=skip.attested,
             held_after=skip.held_after,
+            base_after=base,
         )
+
+
+def _digests(tensors: list[Weight], base: dict[str, tuple] | None) -> dict[int, tuple]:
+    """The content digests ``base`` holds, by input tensor, as `unchanged` caches them."""
+    if not base:
+        return {}
+    out = {}
+    for t in tensors:
+        key = base.get(t.name)
+        if key is not None and key[0] == "content":
+            out[id(t.inputs[0])] = key[1]
+    return out

@@ -5,19 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..engines.base import Engine
 from ..errors import UnsupportedModelError
-from ..plan import Adapter, Plan, Weight
+from ..plan import Adapter, Plan
 from ..trainer import peft_support
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, base_tensors, is_peft
 from .adapter import adapter_part
 from .base import Strategy, check_names, in_engine_format, quantization_note
-
-#: How many base tensors the checkpoint comparison samples (first row of each, spread evenly).
-SAMPLED_TENSORS = 32
+from .proof import base_keys, require_untouched_base
 
 
 class ReloadWeights(Strategy):
@@ -78,9 +75,19 @@ class ReloadWeights(Strategy):
                     "the weights): the engine would serve stale weights. Use FullSync, or "
                     "ReloadWeights(snapshot_dir=...) to reload the trainer's current weights."
                 )
-            _require_untouched_base(model, engine)
-            served, copies = adapter_part(model, engine)
-            return Plan(**common, reload="checkpoint", weights=tuple(copies), adapter=served)
+            require_untouched_base(model, engine)
+            served, copies, sent = adapter_part(model, engine)
+            # The reloaded checkpoint is the trainer's base, as far as require_untouched_base
+            # checks it (a sample): the trainer's keys become the engine's record of its base.
+            unmerged = base_tensors(model, merge_lora=False, expected=engine.expected_weights)
+            skip = set(sent)
+            return Plan(
+                **common,
+                reload="checkpoint",
+                weights=tuple(copies),
+                adapter=served,
+                base_after=base_keys(t for t in unmerged if t.name not in skip),
+            )
         notes: tuple[str, ...] = ()
         if is_peft(model):
             notes = peft_support.check(model, "serve" if separate else "merge").notes
@@ -88,6 +95,7 @@ class ReloadWeights(Strategy):
         if served is not None:
             engine.check_adapter(served)
         tensors = base_tensors(model, merge_lora=not separate, expected=engine.expected_weights)
+        base = base_keys(tensors) if engine.serves_lora else None
         tensors = in_engine_format(tensors, engine)
         notes += quantization_note(engine)
         check_names(tensors, engine, complete=True)
@@ -98,60 +106,5 @@ class ReloadWeights(Strategy):
             weights=tuple(tensors),
             adapter=served,
             notes=notes,
+            base_after=base,
         )
-
-
-def _require_untouched_base(model: nn.Module, engine: Engine) -> None:
-    """Refuse unless the trainer's base is still the checkpoint the engine would reload."""
-    setup = peft_support.check(model, "serve")
-    why = []
-    if setup.rewrites_base:
-        why.append(setup.notes[0])
-    trainable = [
-        n
-        for n, p in model.named_parameters()
-        if p.requires_grad and ".lora_" not in n and ".modules_to_save." not in n
-    ]
-    if trainable:
-        why.append(
-            f"base parameters are trainable ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''})"
-        )
-    if not why:
-        # quantized weights are computed (no `held` dtype): the sample skips them
-        base = base_tensors(model, merge_lora=False, expected=engine.expected_weights)
-        why += _sampled_differences(in_engine_format(base, engine), engine)
-    if why:
-        raise UnsupportedModelError(
-            "ReloadWeights from the engine's own checkpoint would restore a base the trainer no "
-            "longer has: " + "; ".join(why) + ". Use FullSync (base + adapter) or "
-            "ReloadWeights(snapshot_dir=...)."
-        )
-
-
-def _sampled_differences(tensors: list[Weight], engine: Engine) -> list[str]:
-    """Compare the first row of up to `SAMPLED_TENSORS` base tensors with the checkpoint.
-
-    Exact, in the less precise of the two dtypes (a bf16 trainer loaded from a float32
-    checkpoint holds the checkpoint rounded once). Tensors the trainer holds in another dtype are
-    skipped rather than copied; an engine that cannot read its checkpoint returns nothing.
-    """
-    held = [t for t in tensors if t.held is not None]
-    step = max(1, len(held) // SAMPLED_TENSORS)
-    sample = held[::step][:SAMPLED_TENSORS]
-    heads = engine.checkpoint_head([t.name for t in sample])
-    differ = []
-    for t in sample:
-        if t.name not in heads:
-            continue
-        assert t.held is not None  # filtered above
-        ours = t.produce(t.held)
-        ours = ours[0] if ours.dim() > 1 else ours[: heads[t.name].numel()]
-        theirs = heads[t.name]
-        low = max((ours.dtype, theirs.dtype), key=lambda d: torch.finfo(d).eps)
-        if not torch.equal(ours.to(low), theirs.to(low)):
-            differ.append(t.name)
-    return (
-        [f"the trainer's base differs from the checkpoint at {', '.join(differ[:3])}"]
-        if differ
-        else []
-    )
