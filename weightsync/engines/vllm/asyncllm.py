@@ -257,6 +257,13 @@ class AsyncLLMEngine(RemoteVLLMEngine):
         """The ``LoRARequest`` to generate with the synced adapter (None: no adapter served)."""
         return self.control.lora_request(self.served_adapter)
 
+    @property
+    def adapter_requests(self) -> dict[int, Any]:
+        """The ``LoRARequest`` of each adapter version kept loaded (see ``adapter_versions``),
+        by version, oldest first: a rollout admitted under version k generates with the
+        request of k to its end."""
+        return {k: self.control.lora_request(name) for k, name in self.resident_adapters.items()}
+
     def _written(self, version: str | None) -> None:
         """Label vLLM's weight version before the engine resumes, so the tokens generated
         after the write carry the version it left."""

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, cast
 
 from ...errors import AdapterError, AuthError, EngineUnavailableError
+from ...wire.protocol import LoraLimits
 from ..base import Attestation
 from .server_auth import HEADER as TOKEN_HEADER
 
@@ -173,6 +174,37 @@ def adapter_ids(answers: list[Any]) -> set[int]:
         else:
             ids.update(int(n) for n in answer)
     return ids
+
+
+def adapter_window(versions: int, lora: LoraLimits | None) -> int:
+    """Check ``versions``, the number of adapter versions an engine keeps loaded (the newest
+    and the ones before it that rollouts still in flight were admitted under), against the
+    engine's LoRA limits; returns it.
+
+    One version (the default) is replaced in place: no limit applies beyond today's. More
+    need ``max_loras >= versions`` (requests of every kept version in one batch; with fewer
+    slots vLLM queues them instead) and ``max_cpu_loras >= versions + 1``: the next version is
+    loaded before the oldest is unloaded, so that a failed load leaves every kept version,
+    and vLLM evicts an adapter silently when its cache is full (TRL's AsyncGRPO asks for the
+    same ``max_staleness + 2``).
+
+    Raises:
+        ValueError: ``versions`` is below 1, or the engine cannot keep that many.
+    """
+    if versions < 1:
+        raise ValueError(f"adapter_versions must be 1 or more, got {versions!r}")
+    if versions == 1 or lora is None:  # an engine without LoRA refuses adapters at the sync
+        return versions
+    if lora.max_loras < versions or lora.max_cpu_loras < versions + 1:
+        raise ValueError(
+            f"adapter_versions={versions} keeps {versions} adapter versions loaded (and "
+            f"{versions + 1} while the next one loads), but this engine has "
+            f"max_loras={lora.max_loras}, max_cpu_loras={lora.max_cpu_loras}: create it with "
+            f"max_loras={max(versions, lora.max_loras)} and "
+            f"max_cpu_loras={versions + 1} or more (vllm serve: --max-loras, --max-cpu-loras), "
+            "or keep fewer versions"
+        )
+    return versions
 
 
 def since_arg(epoch: Hashable | None) -> list[list[Any]] | None:

@@ -53,6 +53,7 @@ from .control import (
     Control,
     LLMControl,
     adapter_ids,
+    adapter_window,
     attestation,
     since_arg,
     version_label,
@@ -70,7 +71,15 @@ class RemoteVLLMEngine(Engine):
         adapter_dir: where adapter versions are written; the engine must read it at the same
             path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`, or,
             with the gloo transport, a folder on the engine's host the adapters are sent to.
-        lora_name: the name the served adapter is loaded under (requests use it as ``model``).
+        lora_name: the name the served adapter is loaded under (requests use it as ``model``);
+            with ``adapter_versions`` above 1, version k is loaded as ``<lora_name>-v<k>``.
+        adapter_versions: how many adapter versions stay loaded: the newest (`served_adapter`)
+            and the ones before it that rollouts still in flight were admitted under
+            (`resident_adapters`), each under a name and id of its own, so a request admitted
+            under version k finishes on k; older versions are unloaded and their folders
+            deleted. Set it to the framework's staleness bound + 1. The default, 1, loads each
+            version under ``lora_name``. Above 1 the engine needs ``--max-loras N`` and
+            ``--max-cpu-loras N+1`` (`control.adapter_window`), refused here otherwise.
     """
 
     name = "vllm-remote"
@@ -82,10 +91,12 @@ class RemoteVLLMEngine(Engine):
         transport: str | Transport = "tmpfs",
         adapter_dir: str | None = None,
         lora_name: str = "weightsync",
+        adapter_versions: int = 1,
     ) -> None:
         super().__init__()
         self.control = control
         self._facts = self._read_facts(transport)
+        self.adapter_versions = adapter_window(adapter_versions, self._facts.lora)
         self.transport = make_transport(transport)
         self.transport.connect(self.rpc, self._facts.world_size)
         self._adapter_dir = adapter_dir
@@ -98,6 +109,7 @@ class RemoteVLLMEngine(Engine):
         self._remote_adapters = False  # the workers wrote adapter folders: drop them on close
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
+        self._resident: list[tuple[int, str]] = []  # (version, name) loaded, oldest first
         self._version = 0
         self._written_version: str | None = None
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
@@ -145,8 +157,15 @@ class RemoteVLLMEngine(Engine):
 
     @property
     def served_adapter(self) -> str | None:
-        """The name requests must use as ``model`` to get the synced adapter (None: none)."""
+        """The name requests must use as ``model`` to get the synced adapter, its newest
+        version (None: none)."""
         return self._served
+
+    @property
+    def resident_adapters(self) -> dict[int, str]:
+        """The name of each adapter version kept loaded (see ``adapter_versions``), by
+        version, oldest first."""
+        return dict(self._resident)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -253,9 +272,12 @@ class RemoteVLLMEngine(Engine):
             )
 
     def load_adapter(self, adapter: Adapter) -> int:
-        """Put the adapter in a new versioned folder, then unload the old one by name and load
-        the new one under the same name. Old folders are deleted once two newer versions exist:
-        a request admitted before a swap may still read its adapter's folder after it.
+        """Put the adapter in a new versioned folder and load it. With one version kept, the
+        old one is unloaded by name and the new one loaded under the same name; old folders are
+        deleted once two newer versions exist: a request admitted before a swap may still read
+        its adapter's folder after it. With more, the new version is loaded under a name of
+        its own, then the version that fell out of the window is unloaded and its folder
+        deleted.
 
         The folder is written here (``adapter_dir``, or a scratch folder of this host) unless the
         transport carries adapters to the engine's host (gloo, and no ``adapter_dir``)."""
@@ -277,17 +299,26 @@ class RemoteVLLMEngine(Engine):
             path = str(folder)
         assert path is not None
 
+        version = self._version
+        kept = self.adapter_versions
+        name = self.lora_name if kept == 1 else f"{self.lora_name}-v{version}"
+
         def swap() -> None:
-            self._served = None
-            self.control.unload_lora(self.lora_name)
-            self.control.load_lora(self.lora_name, path)
-            self._served = self.lora_name
+            if kept == 1:
+                self._served = None
+                self.control.unload_lora(name)
+                self._resident.clear()
+            self.control.load_lora(name, path)
+            self._served = name
+            self._resident.append((version, name))
+            while len(self._resident) > kept:
+                self.control.unload_lora(self._resident.pop(0)[1])
 
         self._paused_write("load_adapter", swap, base=False)
         self.adapter_path = path
         if local:
             self._versions.append(Path(path))
-            while len(self._versions) > 2:
+            while len(self._versions) > max(kept, 2):
                 shutil.rmtree(self._versions.pop(0), ignore_errors=True)
         return 1
 
@@ -308,7 +339,10 @@ class RemoteVLLMEngine(Engine):
         applying an old adapter to a new base (merged LoRA counted twice, ms-swift#8233)."""
         self._served = None
         if self.serves_lora:
-            self.control.unload_lora(self.lora_name)
+            names = [name for _, name in self._resident] or [self.lora_name]
+            for name in names:
+                self.control.unload_lora(name)
+        self._resident.clear()
 
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int
