@@ -25,8 +25,10 @@ Why these engine calls and not others (see also ``docs/engines.md``):
   write the folder is removed until the next adapter load, so a stale request fails loudly
   instead of applying an old adapter on top of merged weights (LoRA counted twice,
   ms-swift#8233). A level-2 sleep forgets the adapter too.
-- The prefix cache is reset after every write, or prompts cached under old weights are answered
-  from old KV.
+- The prefix cache is reset after every base write, requests in flight included (their KV is
+  recomputed), or prompts cached under old weights are answered from old KV: vLLM's block hash
+  covers the tokens and the adapter's name and path, not the weights. Each adapter version has
+  a path of its own, so its blocks are never those of another version.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from ...wire.protocol import EngineFacts, Outcome
 from ...wire.scratch import scratch_dir
 from ..base import Attestation, Engine, register
 from .control import (
+    UNKNOWN_BASE,
+    WeightsSpan,
     adapter_ids,
     adapter_window,
     attestation,
@@ -55,6 +59,7 @@ from .control import (
     score_prompts,
     since_arg,
     version_label,
+    weights_spans,
 )
 from .in_engine import checkpoint as ckpt
 from .in_engine import ledger, model_ops
@@ -175,8 +180,7 @@ class VLLMEngine(Engine):
         self._lora_id_loaded = False  # weightsync loaded an adapter under lora_id
         self.lora_name = lora_name
         self.adapter_versions = adapter_window(adapter_versions, self._facts.lora)
-        #: The version of the newest adapter loaded (adapter loads counted by this adapter).
-        self.adapter_version = 0
+        self._adapter_loads = 0  # adapter versions loaded so far: the last one's number
         #: (version, LoRARequest) of each adapter version kept loaded, oldest first.
         self._resident: list[tuple[int, Any]] = []
         self._next_id: int | None = None  # adapter_versions > 1: the next version's id
@@ -185,6 +189,7 @@ class VLLMEngine(Engine):
         # Install the workers' ledger now. Asleep already (TRL sleeps in its __init__): the
         # level is unknown, the ledger logs harm 2.
         self._attest(None)
+        self._label_base()
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -198,7 +203,14 @@ class VLLMEngine(Engine):
         version (None if none, or if the base may be gone since it was loaded: a level-2 sleep
         discards the adapter's memory too, and a request kept from before must not come
         back)."""
-        return self.adapter_requests.get(self.adapter_version)
+        held = self.adapter_requests
+        return held[max(held)] if held else None
+
+    @property
+    def adapter_version(self) -> int | None:
+        """The version of the served adapter (adapter loads counted by this engine adapter;
+        the key of `adapter_requests`); None: none."""
+        return max(self.adapter_requests, default=None)
 
     @property
     def adapter_requests(self) -> dict[int, Any]:
@@ -224,9 +236,42 @@ class VLLMEngine(Engine):
             with _RELOADING:
                 outcome: Outcome = self.llm.collective_rpc(model_ops.reload, kwargs=kwargs)[0]
         finally:
-            self.llm.reset_prefix_cache()
+            # vLLM's block hash does not cover the base weights, and it keeps its prefix cache
+            # (returns False) while any request holds blocks: requests in flight (a rollout
+            # stepping this engine) are preempted to recompute their KV under the new weights.
+            reset = self.llm.reset_prefix_cache(reset_running_requests=True)
         if not outcome.ok:
             raise outcome.exception or RuntimeError(outcome.error)
+        if not reset:
+            raise RuntimeError(
+                "the vLLM engine did not reset its prefix cache after a weight write: prompts "
+                "could be answered from KV computed with the previous weights"
+            )
+        self._label_base()
+
+    def _label_base(self) -> None:
+        """Label vLLM's weight version (the spans of every output) with the base version the
+        engine attests now: at the start, and after each completed base write, before anything
+        generates again (the caller's thread is the one that steps the engine). Adapter loads
+        leave it: each request's adapter is its own (`weights_spans`)."""
+        label = version_label(self.attest().epoch)
+        if label is not None:
+            self.llm_engine.set_weight_version(label)
+
+    def mark_lost(self) -> None:
+        """The base may be a mix of old and new layers: the tokens generated until the next
+        completed base write are labelled `UNKNOWN_BASE`."""
+        super().mark_lost()
+        self.llm_engine.set_weight_version(UNKNOWN_BASE)
+
+    @staticmethod
+    def weights_spans(output: Any, index: int = 0) -> list[WeightsSpan] | None:
+        """The base and adapter versions that produced each token of a finished
+        ``RequestOutput`` of this engine (`control.weights_spans`). With one adapter version
+        kept (the default) the adapter is replaced in place: a request stepped across an
+        adapter load continues on the new one, which its spans cannot show; keep two or more
+        (``adapter_versions``) for rollouts in flight."""
+        return weights_spans(output, index)
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         folder = path or self.checkpoint
@@ -355,7 +400,7 @@ class VLLMEngine(Engine):
         from vllm.lora.request import LoRARequest
 
         self.check_adapter(adapter)
-        version = self.adapter_version + 1
+        version = self._adapter_loads + 1
         lora_id = self._version_id()
         name = self.lora_name if self.adapter_versions == 1 else f"{self.lora_name}-v{version}"
         # The config exactly as vLLM would read it back from adapter_config.json.
@@ -375,7 +420,7 @@ class VLLMEngine(Engine):
             path = str(folder)
             self.llm_engine.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
         self._lora_id_loaded = True
-        self.adapter_version = version
+        self._adapter_loads = version
         self._resident.append((version, LoRARequest(name, lora_id, path)))
         while len(self._resident) > self.adapter_versions:
             old, request = self._resident.pop(0)

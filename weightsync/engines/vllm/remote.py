@@ -49,14 +49,18 @@ from ...wire.scratch import private_dir, scratch_dir
 from ...wire.tags import Signer
 from ..base import Attestation, Engine, register
 from .control import (
+    UNKNOWN_BASE,
     WORKER_EXTENSION,
     Control,
     LLMControl,
+    WeightsSpan,
     adapter_ids,
     adapter_window,
     attestation,
+    base_label,
     since_arg,
     version_label,
+    weights_spans,
 )
 from .transports import Transport, make_transport
 
@@ -113,6 +117,10 @@ class RemoteVLLMEngine(Engine):
         self._version = 0
         self._written_version: str | None = None
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
+        # vLLM labels outputs "default" until told: name the weights it serves now instead.
+        base = version_label(self.attest().epoch)
+        if base is not None:
+            self.control.label(base)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
         """What the engine loads and serves, from the worker extension."""
@@ -162,6 +170,12 @@ class RemoteVLLMEngine(Engine):
         return self._served
 
     @property
+    def adapter_version(self) -> int | None:
+        """The version of the served adapter (adapter loads counted by this engine adapter;
+        the key of `resident_adapters`); None: none."""
+        return self._resident[-1][0] if self._served is not None and self._resident else None
+
+    @property
     def resident_adapters(self) -> dict[int, str]:
         """The name of each adapter version kept loaded (see ``adapter_versions``), by
         version, oldest first."""
@@ -192,8 +206,26 @@ class RemoteVLLMEngine(Engine):
 
     def _written(self, version: str | None) -> None:
         """Called at the end of every completed write, while the engine is still paused, with
-        the version it attested then. An engine that labels its outputs with the version of
-        the weights that produced them (`AsyncLLMEngine`) does it here, before resuming."""
+        the version it attested then: vLLM's weight-version label becomes its base part
+        (`control.base_label`), before the engine resumes, so the tokens generated after the
+        write carry it. An adapter write leaves the label as it was: vLLM's label is
+        engine-wide, and each request keeps the adapter it was admitted with
+        (`control.weights_spans` adds it)."""
+        if version is not None:
+            self.control.label(base_label(version))
+
+    def mark_lost(self) -> None:
+        """The base may be a mix of old and new layers (a write failed part-way): the tokens
+        generated from now until the next completed base write are labelled `UNKNOWN_BASE`."""
+        super().mark_lost()
+        with contextlib.suppress(Exception):  # an engine that is gone generates nothing more
+            self.control.label(UNKNOWN_BASE)
+
+    @staticmethod
+    def weights_spans(output: Any, index: int = 0) -> list[WeightsSpan] | None:
+        """The base and adapter versions that produced each token of a finished
+        ``RequestOutput`` of this engine (`control.weights_spans`)."""
+        return weights_spans(output, index)
 
     def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
         """Pause, ``write()``, record the version it left (`written_version`), reset the prefix

@@ -171,7 +171,8 @@ def facts(control: HTTPControl) -> EngineFacts:
         lora = LoraLimits(
             max_rank=info["lora_config"]["max_lora_rank"],
             max_loras=info["lora_config"]["max_loras"],
-            max_cpu_loras=info["lora_config"].get("max_cpu_loras") or info["lora_config"]["max_loras"],
+            max_cpu_loras=info["lora_config"].get("max_cpu_loras")
+            or info["lora_config"]["max_loras"],
             modules=tuple(
                 sorted(
                     {
