@@ -343,4 +343,3 @@ class RayVLLMEngine(RemoteVLLMEngine):
 
     def describe(self) -> str:
         return f"{super().describe()} in {self.control!r} (bytes: {self.transport.name})"
-
