@@ -21,17 +21,21 @@ makes on its own ``checkpoint`` fixture. What one module alone uses stays in tha
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import psutil
 import pytest
 import torch
 
+from benchmarks.processes import stretched
 from weightsync import Syncer
 from weightsync import testing as T
-from weightsync.engines import Engine, VLLMEngine
+from weightsync.engines import WORKER_EXTENSION, Engine, VLLMEngine
 
 pytest_plugins = ["pytester"]
 
@@ -440,3 +444,70 @@ def build_tokenizer(folder, vocab: int = 1024):
     assert len(fast) == vocab
     fast.save_pretrained(str(folder))
     return fast
+
+
+# --- an AsyncLLM on an event loop of its own (test_asyncllm_vllm, test_async_rl_vllm) ---------
+
+R = TypeVar("R")
+
+
+def on(loop: asyncio.AbstractEventLoop, coro: Awaitable[R]) -> R:
+    """Run ``coro`` on ``loop`` (running in another thread) and wait for it."""
+
+    async def run() -> R:
+        return await coro
+
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(stretched(300))
+
+
+@contextlib.contextmanager
+def loop_in_thread() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running in a thread of its own, as an async framework's rollout loop
+    (an AsyncLLM created on it belongs to it); stopped and closed at the end."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="asyncllm-loop", daemon=True)
+    thread.start()
+    yield loop
+    on(loop, asyncio.sleep(0.1))  # let the AsyncLLM's cancelled output handler finish
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+    loop.close()
+
+
+@contextlib.contextmanager
+def running_async_llm(
+    loop: asyncio.AbstractEventLoop, checkpoint: str, **options: Any
+) -> Iterator[Any]:
+    """A real AsyncLLM on ``checkpoint`` created on ``loop``, sized like ``T.make_llm``
+    (``options`` as there), with weightsync's worker extension; shut down at the end, and every
+    process it started stopped by PID."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        **T.engine_options(checkpoint, worker_extension_cls=WORKER_EXTENSION, **options)
+    )
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    llm = None
+
+    async def make() -> Any:  # created on the loop: its output handler runs there
+        return AsyncLLM.from_engine_args(args)
+
+    try:
+        llm = on(loop, make())
+        yield llm
+    finally:
+        # Python's resource tracker outlives the AsyncLLM (it is this process's, not its).
+        started = [
+            p
+            for p in me.children(recursive=True)
+            if p.pid not in before
+            and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
+        ]
+        if llm is not None:
+            llm.shutdown(timeout=stretched(30))
+        _, alive = psutil.wait_procs(started, timeout=stretched(10))
+        for p in alive:
+            p.kill()
+        psutil.wait_procs(alive, timeout=10)

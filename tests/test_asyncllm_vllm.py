@@ -10,92 +10,42 @@ AsyncLLM started is stopped by PID at the end, also after a failure.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Awaitable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
-import psutil
 import pytest
-from conftest import ATOL, discard, full_model, lora_model, sync_and_check
+from conftest import (
+    ATOL,
+    discard,
+    full_model,
+    loop_in_thread,
+    lora_model,
+    on,
+    running_async_llm,
+    sync_and_check,
+)
 
-from benchmarks.processes import stretched
 from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
-from weightsync.engines import WORKER_EXTENSION, AsyncLLMEngine, adapt
+from weightsync.engines import AsyncLLMEngine, adapt
+from weightsync.engines.vllm.control import base_label
 
 pytestmark = pytest.mark.timeout(600)
-
-R = TypeVar("R")
-
-
-def on(loop: asyncio.AbstractEventLoop, coro: Awaitable[R]) -> R:
-    """Run ``coro`` on ``loop`` (running in another thread) and wait for it."""
-
-    async def run() -> R:
-        return await coro
-
-    return asyncio.run_coroutine_threadsafe(run(), loop).result(stretched(300))
 
 
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     """An event loop running in a thread of its own: the AsyncLLM's."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="asyncllm-loop", daemon=True)
-    thread.start()
-    yield loop
-    on(loop, asyncio.sleep(0.1))  # let the AsyncLLM's cancelled output handler finish
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
-    loop.close()
+    with loop_in_thread() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def async_llm(loop, tmp_path_factory) -> Iterator[Any]:
-    """A real AsyncLLM on the tiny Qwen2 checkpoint (LoRA up to rank 16), sized like
-    ``T.make_llm``; shut down at the end, and every process it started stopped by PID."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
+    """A real AsyncLLM on the tiny Qwen2 checkpoint, serving one adapter up to rank 16."""
     checkpoint = T.save_checkpoint(T.tiny_model("qwen2"), tmp_path_factory.mktemp("al") / "ck")
-    args = AsyncEngineArgs(
-        model=checkpoint,
-        worker_extension_cls=WORKER_EXTENSION,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-        enable_prefix_caching=True,
-        seed=0,
-        enable_lora=True,
-        max_lora_rank=16,
-        max_loras=1,
-    )
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
-    llm = None
-
-    async def make() -> Any:  # created on the loop: its output handler runs there
-        return AsyncLLM.from_engine_args(args)
-
-    try:
-        llm = on(loop, make())
+    with running_async_llm(loop, checkpoint, enable_lora=True) as llm:
         yield llm
-    finally:
-        # Python's resource tracker outlives the AsyncLLM (it is this process's, not its).
-        started = [
-            p
-            for p in me.children(recursive=True)
-            if p.pid not in before
-            and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
-        ]
-        if llm is not None:
-            llm.shutdown(timeout=stretched(30))
-        _, alive = psutil.wait_procs(started, timeout=stretched(10))
-        for p in alive:
-            p.kill()
-        psutil.wait_procs(alive, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +152,9 @@ def test_async_sync_on_the_engines_own_loop_keeps_a_generation_in_flight(loop, a
     tokens = list(out.token_ids)
     assert len(tokens) == 200 and at_sync_end < 200, "the rollout was not in flight"
     spans = [(s.version, s.start, s.end) for s in out.weight_versions]
-    assert [v for v, _, _ in spans] == [first.weights_version, second.weights_version], spans
+    # vLLM's label names the base (each request's adapter is its own: weights_spans).
+    versions = [base_label(first.weights_version), base_label(second.weights_version)]
+    assert [v for v, _, _ in spans] == versions, spans
     k = spans[0][2]
     assert 0 < k < 200
     head = min(k, 8)

@@ -15,6 +15,7 @@ from benchmarks.processes import multiproc_llm
 from weightsync import AdapterSync, FullSync, Syncer
 from weightsync import testing as T
 from weightsync.engines import GlooTransport, VLLMMultiprocEngine, adapt
+from weightsync.engines.vllm.control import WeightsSpan, base_label
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -96,6 +97,20 @@ def test_a_framework_sleep_already_over_is_seen(llm, engines):
     T.perturb(model, seed=32, scale=0.3)
     assert syncer.sync(model).strategy == "FullSync(lora=separate)"
     T.assert_matches(model, engine, atol=ATOL)
+
+
+def test_outputs_are_labelled_with_the_base_version(llm, engines):
+    """vLLM's weight-version spans of a multiprocess LLM name the base version each write
+    left, not vLLM's "default" (issue 33)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = engines["tmpfs"]
+    FullSync().sync(full_model("qwen2", seed=51), engine)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)[0]
+    label = base_label(engine.written_version)
+    assert engine.weights_spans(out) == [WeightsSpan(label, None, 0, 4)]
 
 
 def test_the_weights_version_is_the_engines_own(llm, engines):

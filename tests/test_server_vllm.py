@@ -38,7 +38,7 @@ from benchmarks.processes import VLLMServer, serving
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, TmpfsTransport, VLLMEngine, VLLMServerEngine
-from weightsync.engines.vllm.control import HTTPControl
+from weightsync.engines.vllm.control import HTTPControl, base_label
 from weightsync.errors import (
     AuthError,
     BaseDiscardedError,
@@ -121,6 +121,19 @@ def test_facts_come_from_the_workers_tied(engines):
     )
     assert tied.serves_lora and tied.facts.lora.max_rank == 16
     assert "q_proj" in tied.facts.lora.modules and tied.facts.attests
+
+
+def test_the_server_labels_the_base_version(engines):
+    """vLLM's weight-version label (what its token-in-token-out route returns as spans) names
+    the base version after a write, and an adapter swap leaves it (issue 33)."""
+    engine = engines(1, "tmpfs")
+    model = lora_model("qwen2", seed=91)
+    FullSync(lora="separate").sync(model, engine)
+    label = engine.control._call("GET", "/weight_info")["weight_version"]
+    assert label == base_label(engine.written_version) != "default"
+    T.perturb(model, seed=92, scale=0.3)
+    AdapterSync().sync(model, engine)
+    assert engine.control._call("GET", "/weight_info")["weight_version"] == label
 
 
 def test_a_token_for_a_server_without_the_guard_is_refused(servers):

@@ -27,10 +27,14 @@ class LoraLimits:
     Attributes:
         max_rank: the engine's ``max_lora_rank``.
         modules: the module names (last path component) it can apply LoRA to.
+        max_loras: the engine's ``max_loras``: how many adapters one batch can apply.
+        max_cpu_loras: the engine's ``max_cpu_loras``: how many adapters it keeps loaded.
     """
 
     max_rank: int
     modules: tuple[str, ...]
+    max_loras: int = 1
+    max_cpu_loras: int = 1
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,16 @@ class EngineFacts:
             dtype=data["dtype"],
             weights={k: tuple(v) for k, v in data["weights"].items()},
             tied=tuple(tuple(g) for g in data.get("tied", ())),
-            lora=LoraLimits(int(lora["max_rank"]), tuple(lora["modules"])) if lora else None,
+            lora=(
+                LoraLimits(
+                    int(lora["max_rank"]),
+                    tuple(lora["modules"]),
+                    int(lora.get("max_loras", 1)),
+                    int(lora.get("max_cpu_loras", lora.get("max_loras", 1))),
+                )
+                if lora
+                else None
+            ),
             quantization=data.get("quantization"),
             quantized=(
                 Quantization(

@@ -9,7 +9,16 @@ for from the calling thread; on the loop's own thread that would deadlock, so it
 (there, ``await syncer.async_sync(model)`` and ``await AsyncLLMEngine.open(async_llm)``). Every
 write keeps the generations in flight (``pause_generation(mode="keep")``, then a prefix-cache
 reset with ``reset_running_requests=True`` so kept requests recompute their KV under the new
-weights), and labels vLLM's ``weight_version`` with the version the write left.
+weights), and labels vLLM's ``weight_version`` with the base version the write left, before
+generation resumes.
+
+True labels. vLLM's label is engine-wide: every token of a step gets it, whichever adapter
+the token's request runs with, and a request keeps the adapter it was admitted with to its end
+(each adapter version has an id and path of its own). So the label names the base only (it
+moves only when a base write completes; after one that failed part-way it is
+`UNKNOWN_BASE`), and `weights_spans` adds each request's adapter version from its own
+``LoRARequest``: base and adapter of every token, for requests admitted before, during and
+after a write.
 
 Why each of these, and how to use it from an async framework: docs/engines.md, "``AsyncLLM``
 (async RL frameworks)".
@@ -144,7 +153,6 @@ class AsyncLLMControl(Control):
             raise RuntimeError("the AsyncLLM did not reset its prefix cache")
 
     def label(self, version: str) -> None:
-        """Give vLLM ``version`` as its weight-version label for the tokens generated next."""
         self._run(lambda: self.async_llm.update_weight_version(version))
 
     def lora_request(self, name: str | None) -> Any:
@@ -257,8 +265,9 @@ class AsyncLLMEngine(RemoteVLLMEngine):
         """The ``LoRARequest`` to generate with the synced adapter (None: no adapter served)."""
         return self.control.lora_request(self.served_adapter)
 
-    def _written(self, version: str | None) -> None:
-        """Label vLLM's weight version before the engine resumes, so the tokens generated
-        after the write carry the version it left."""
-        if version is not None:
-            self.control.label(version)
+    @property
+    def adapter_requests(self) -> dict[int, Any]:
+        """The ``LoRARequest`` of each adapter version kept loaded (see ``adapter_versions``),
+        by version, oldest first: a rollout admitted under version k generates with the
+        request of k to its end."""
+        return {k: self.control.lora_request(name) for k, name in self.resident_adapters.items()}

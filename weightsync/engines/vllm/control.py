@@ -15,9 +15,11 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ...errors import AdapterError, AuthError, EngineUnavailableError, PauseExpiredError
+from ...wire.protocol import LoraLimits
 from ..base import Attestation
 from .server_auth import HEADER as TOKEN_HEADER
 from .server_lease import HEADER as LEASE_HEADER
@@ -167,6 +169,67 @@ def version_label(
     return f"{label}/a{adapter_writes}" if adapter_writes else label
 
 
+def base_label(version: str) -> str:
+    """The base part of a `version_label` (its attested epoch, without the adapters): what
+    vLLM's engine-wide weight-version label may say, since every request in a batch runs on
+    the same base but each on its own adapter (see `weights_spans`)."""
+    return version.split("+", 1)[0].split("/", 1)[0]
+
+
+#: vLLM's weight-version label of tokens generated after a write that failed part-way (a mix
+#: of old and new layers), until the next completed base write.
+UNKNOWN_BASE = "unknown"
+
+
+@dataclass(frozen=True)
+class WeightsSpan:
+    """The weights that produced output tokens ``start`` to ``end`` (exclusive) of a request.
+
+    Attributes:
+        base: the base weights' version, vLLM's label of those tokens (`base_label` of the
+            engine's version after the write that put them there; ``"default"``: nothing
+            labelled them, the engine's weights since it started; `UNKNOWN_BASE`: after a
+            failed write).
+        adapter: the version of the engine's adapter the request ran with (the key of
+            ``adapter_requests`` / ``resident_adapters``; None: no adapter). vLLM keeps a
+            request on the adapter it was admitted with to its end, so it is the same for
+            every span of a request.
+    """
+
+    base: str
+    adapter: int | None
+    start: int
+    end: int
+
+
+_ADAPTER_VERSION = re.compile(r"(?:adapter-v|/v)(\d+)$")
+
+
+def weights_spans(output: Any, index: int = 0) -> list[WeightsSpan] | None:
+    """The weights that produced each token of a finished vLLM ``RequestOutput`` (its
+    ``index``-th completion): vLLM's weight-version spans (the base) with the request's adapter
+    version, read from its ``LoRARequest``'s path (every adapter version weightsync loads has a
+    path of its own ending in it). None where vLLM recorded no spans (an unfinished output).
+
+    Raises:
+        ValueError: the request ran with an adapter weightsync did not load.
+    """
+    spans = output.outputs[index].weight_versions
+    if spans is None:
+        return None
+    adapter = None
+    if output.lora_request is not None:
+        found = _ADAPTER_VERSION.search(output.lora_request.lora_path or "")
+        if found is None:
+            raise ValueError(
+                f"request {output.request_id} ran with adapter "
+                f"{output.lora_request.lora_name!r} at {output.lora_request.lora_path!r}, "
+                "which weightsync did not load: its version is not weightsync's to name"
+            )
+        adapter = int(found.group(1))
+    return [WeightsSpan(s.version, adapter, s.start, s.end) for s in spans]
+
+
 def adapter_ids(answers: list[Any]) -> set[int]:
     """The adapter ids in the workers' answers to vLLM's ``list_loras`` (one per rank): a set
     in process, a list after msgpack, and a string (``"{3}"``, ``"set()"``) through a server's
@@ -178,6 +241,37 @@ def adapter_ids(answers: list[Any]) -> set[int]:
         else:
             ids.update(int(n) for n in answer)
     return ids
+
+
+def adapter_window(versions: int, lora: LoraLimits | None) -> int:
+    """Check ``versions``, the number of adapter versions an engine keeps loaded (the newest
+    and the ones before it that rollouts still in flight were admitted under), against the
+    engine's LoRA limits; returns it.
+
+    One version (the default) is replaced in place: no limit applies beyond today's. More
+    need ``max_loras >= versions`` (requests of every kept version in one batch; with fewer
+    slots vLLM queues them instead) and ``max_cpu_loras >= versions + 1``: the next version is
+    loaded before the oldest is unloaded, so that a failed load leaves every kept version,
+    and vLLM evicts an adapter silently when its cache is full (TRL's AsyncGRPO asks for the
+    same ``max_staleness + 2``).
+
+    Raises:
+        ValueError: ``versions`` is below 1, or the engine cannot keep that many.
+    """
+    if versions < 1:
+        raise ValueError(f"adapter_versions must be 1 or more, got {versions!r}")
+    if versions == 1 or lora is None:  # an engine without LoRA refuses adapters at the sync
+        return versions
+    if lora.max_loras < versions or lora.max_cpu_loras < versions + 1:
+        raise ValueError(
+            f"adapter_versions={versions} keeps {versions} adapter versions loaded (and "
+            f"{versions + 1} while the next one loads), but this engine has "
+            f"max_loras={lora.max_loras}, max_cpu_loras={lora.max_cpu_loras}: create it with "
+            f"max_loras={max(versions, lora.max_loras)} and "
+            f"max_cpu_loras={versions + 1} or more (vllm serve: --max-loras, --max-cpu-loras), "
+            "or keep fewer versions"
+        )
+    return versions
 
 
 def since_arg(epoch: Hashable | None) -> list[list[Any]] | None:
@@ -232,6 +326,10 @@ class Control(ABC):
 
     @abstractmethod
     def wake_up(self, tags: list[str] | None) -> None: ...
+
+    def label(self, version: str) -> None:
+        """Give vLLM ``version`` as its weight-version label of the tokens generated next
+        (the spans of every output, `weights_spans`); an engine without one ignores it."""
 
 
 class HTTPControl(Control):
@@ -443,6 +541,10 @@ class HTTPControl(Control):
     def wake_up(self, tags: list[str] | None) -> None:
         self._call("POST", "/wake_up", params=[("tags", t) for t in tags or []])
 
+    def label(self, version: str) -> None:
+        # Dev mode's RL route; the spans come back from the token-in-token-out API.
+        self._call("POST", "/update_weight_version", json={"new_version": version})
+
     # --- vLLM's weight-transfer routes (the ``VLLMWeightSyncClient`` protocol) ---------------
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -576,3 +678,7 @@ class LLMControl(Control):
     def wake_up(self, tags: list[str] | None) -> None:
         with self._answering():
             self.llm.wake_up(tags=tags)
+
+    def label(self, version: str) -> None:
+        with self._answering():
+            self.llm.llm_engine.set_weight_version(version)

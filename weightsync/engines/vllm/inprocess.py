@@ -15,7 +15,8 @@ Why these engine calls and not others (see also ``docs/engines.md``):
   this adapter needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   before the ``LLM`` is created).
 - Adapters are built from the trainer's tensors inside the worker (``lora.py``: vLLM's own
-  validation and ``LoRAModel.from_lora_tensors``, replacing the adapter under one stable id), with
+  validation and ``LoRAModel.from_lora_tensors``, replacing the adapter under one stable id, or,
+  with ``adapter_versions=N``, each version under an id of its own, the last N kept loaded), with
   no file round trip. Where this vLLM lacks a piece that path needs, the adapter is written to
   tmpfs and added with vLLM's public ``add_lora(load_inplace=True)`` instead (re-adding a loaded
   id without ``load_inplace`` keeps the old one).
@@ -24,8 +25,10 @@ Why these engine calls and not others (see also ``docs/engines.md``):
   write the folder is removed until the next adapter load, so a stale request fails loudly
   instead of applying an old adapter on top of merged weights (LoRA counted twice,
   ms-swift#8233). A level-2 sleep forgets the adapter too.
-- The prefix cache is reset after every write, or prompts cached under old weights are answered
-  from old KV.
+- The prefix cache is reset after every base write, requests in flight included (their KV is
+  recomputed), or prompts cached under old weights are answered from old KV: vLLM's block hash
+  covers the tokens and the adapter's name and path, not the weights. Each adapter version has
+  a path of its own, so its blocks are never those of another version.
 """
 
 from __future__ import annotations
@@ -47,12 +50,16 @@ from ...wire.protocol import EngineFacts, Outcome
 from ...wire.scratch import scratch_dir
 from ..base import Attestation, Engine, register
 from .control import (
+    UNKNOWN_BASE,
+    WeightsSpan,
     adapter_ids,
+    adapter_window,
     attestation,
     greedy_generate,
     score_prompts,
     since_arg,
     version_label,
+    weights_spans,
 )
 from .in_engine import checkpoint as ckpt
 from .in_engine import ledger, model_ops
@@ -95,7 +102,15 @@ class VLLMEngine(Engine):
         lora_id: the stable id of the served adapter; None (the default) picks one no other
             adapter of the engine uses. An id given here that another adapter holds (the
             user's own, under vLLM's usual example id 1) is refused, never replaced.
-        lora_name: the stable name of the served adapter.
+        lora_name: the stable name of the served adapter (with ``adapter_versions`` above 1,
+            version k is named ``<lora_name>-v<k>``).
+        adapter_versions: how many adapter versions stay loaded: the newest, which
+            `lora_request` names, and the ones before it that rollouts still in flight were
+            admitted under (`adapter_requests`), each under an id of its own, so a request
+            admitted under version k finishes on k; older versions are unloaded. Set it to the
+            framework's staleness bound + 1. The default, 1, replaces the adapter in place
+            under one id. Above 1 the engine needs ``max_loras >= N`` and
+            ``max_cpu_loras >= N + 1`` (`control.adapter_window`), refused here otherwise.
     """
 
     name = "vllm"
@@ -123,6 +138,7 @@ class VLLMEngine(Engine):
         adapter_dir: str | None = None,
         lora_id: int | None = None,
         lora_name: str = "weightsync",
+        adapter_versions: int = 1,
     ) -> None:
         super().__init__()
         from vllm.v1.engine.core_client import InprocClient
@@ -163,12 +179,17 @@ class VLLMEngine(Engine):
         self._lora_id_given = lora_id is not None
         self._lora_id_loaded = False  # weightsync loaded an adapter under lora_id
         self.lora_name = lora_name
-        self._lora_request = None
+        self.adapter_versions = adapter_window(adapter_versions, self._facts.lora)
+        self._adapter_loads = 0  # adapter versions loaded so far: the last one's number
+        #: (version, LoRARequest) of each adapter version kept loaded, oldest first.
+        self._resident: list[tuple[int, Any]] = []
+        self._next_id: int | None = None  # adapter_versions > 1: the next version's id
         # Only a CPU MoE engine re-processes layers a write left out (model_ops.read_facts).
         self._cpu_moe = not self._facts.keeps_unsent_layers
         # Install the workers' ledger now. Asleep already (TRL sleeps in its __init__): the
         # level is unknown, the ledger logs harm 2.
         self._attest(None)
+        self._label_base()
 
     # --- what the engine holds -------------------------------------------------------------
 
@@ -178,12 +199,26 @@ class VLLMEngine(Engine):
 
     @property
     def lora_request(self) -> Any:
-        """The ``LoRARequest`` to pass to ``generate`` for the served adapter (None if none,
-        or if the base may be gone since it was loaded: a level-2 sleep discards the adapter's
-        memory too, and a request kept from before must not come back)."""
-        if self._lora_request is not None and self.attest().harm >= 2:
+        """The ``LoRARequest`` to pass to ``generate`` for the served adapter, its newest
+        version (None if none, or if the base may be gone since it was loaded: a level-2 sleep
+        discards the adapter's memory too, and a request kept from before must not come
+        back)."""
+        held = self.adapter_requests
+        return held[max(held)] if held else None
+
+    @property
+    def adapter_version(self) -> int | None:
+        """The version of the served adapter (adapter loads counted by this engine adapter;
+        the key of `adapter_requests`); None: none."""
+        return max(self.adapter_requests, default=None)
+
+    @property
+    def adapter_requests(self) -> dict[int, Any]:
+        """The ``LoRARequest`` of each adapter version kept loaded (see ``adapter_versions``),
+        by version, oldest first; empty as `lora_request` is None."""
+        if self._resident and self.attest().harm >= 2:
             self._forget_adapter()
-        return self._lora_request
+        return dict(self._resident)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -201,9 +236,42 @@ class VLLMEngine(Engine):
             with _RELOADING:
                 outcome: Outcome = self.llm.collective_rpc(model_ops.reload, kwargs=kwargs)[0]
         finally:
-            self.llm.reset_prefix_cache()
+            # vLLM's block hash does not cover the base weights, and it keeps its prefix cache
+            # (returns False) while any request holds blocks: requests in flight (a rollout
+            # stepping this engine) are preempted to recompute their KV under the new weights.
+            reset = self.llm.reset_prefix_cache(reset_running_requests=True)
         if not outcome.ok:
             raise outcome.exception or RuntimeError(outcome.error)
+        if not reset:
+            raise RuntimeError(
+                "the vLLM engine did not reset its prefix cache after a weight write: prompts "
+                "could be answered from KV computed with the previous weights"
+            )
+        self._label_base()
+
+    def _label_base(self) -> None:
+        """Label vLLM's weight version (the spans of every output) with the base version the
+        engine attests now: at the start, and after each completed base write, before anything
+        generates again (the caller's thread is the one that steps the engine). Adapter loads
+        leave it: each request's adapter is its own (`weights_spans`)."""
+        label = version_label(self.attest().epoch)
+        if label is not None:
+            self.llm_engine.set_weight_version(label)
+
+    def mark_lost(self) -> None:
+        """The base may be a mix of old and new layers: the tokens generated until the next
+        completed base write are labelled `UNKNOWN_BASE`."""
+        super().mark_lost()
+        self.llm_engine.set_weight_version(UNKNOWN_BASE)
+
+    @staticmethod
+    def weights_spans(output: Any, index: int = 0) -> list[WeightsSpan] | None:
+        """The base and adapter versions that produced each token of a finished
+        ``RequestOutput`` of this engine (`control.weights_spans`). With one adapter version
+        kept (the default) the adapter is replaced in place: a request stepped across an
+        adapter load continues on the new one, which its spans cannot show; keep two or more
+        (``adapter_versions``) for rollouts in flight."""
+        return weights_spans(output, index)
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         folder = path or self.checkpoint
@@ -287,7 +355,8 @@ class VLLMEngine(Engine):
                 f"apply LoRA to (it can: {sorted(self._lora_modules())}); merge the "
                 "adapter instead (FullSync(lora='merge'))"
             )
-        self._claim_lora_id()
+        if self.adapter_versions == 1:
+            self._claim_lora_id()
 
     #: Ids weightsync picks itself start here: far above the ones users number their own
     #: adapters with (1, 2, ...: vLLM's examples), so that a user's adapter added *after* ours,
@@ -321,33 +390,65 @@ class VLLMEngine(Engine):
     adapter_from_memory: bool = True
 
     def load_adapter(self, adapter: Adapter) -> int:
+        """Load the adapter as the next version: in place under ``lora_id`` (one version
+        kept), or under an id of its own, then unload the version that fell out of the window.
+
+        Each version has a path of its own (in memory: `memory_lora_path`, never created; or a
+        folder ``adapter-v<k>``): vLLM's prefix-cache block hash covers the adapter's name and
+        path, not its id or weights, so KV computed under one version is never reused under
+        another, even while requests in flight keep the prefix cache from being reset."""
         from vllm.lora.request import LoRARequest
 
         self.check_adapter(adapter)
-        lora_id = self.lora_id
-        assert lora_id is not None  # claimed by check_adapter
+        version = self._adapter_loads + 1
+        lora_id = self._version_id()
+        name = self.lora_name if self.adapter_versions == 1 else f"{self.lora_name}-v{version}"
         # The config exactly as vLLM would read it back from adapter_config.json.
         config = json.loads(json.dumps(adapter.config, default=str))
         if self._memory_load_supported():
             from .in_engine.lora import install_adapter, memory_lora_path
 
-            # An older folder could otherwise be reloaded by a held request after eviction.
-            shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
             self.llm.collective_rpc(
                 install_adapter,
                 kwargs={"tensors": adapter.tensors, "config": config, "lora_int_id": lora_id},
             )
-            path = memory_lora_path(self.lora_name, lora_id)
+            path = memory_lora_path(name, lora_id, version)
         else:
-            folder = self._adapter_root / "adapter"
+            folder = self._adapter_folder(version)
             with timing.span("serialize"):
                 fmt.write_adapter(folder, adapter.tensors.items(), config)
             path = str(folder)
-            self.llm_engine.add_lora(LoRARequest(self.lora_name, lora_id, path, load_inplace=True))
+            self.llm_engine.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
         self._lora_id_loaded = True
-        self._lora_request = LoRARequest(self.lora_name, lora_id, path)
+        self._adapter_loads = version
+        self._resident.append((version, LoRARequest(name, lora_id, path)))
+        while len(self._resident) > self.adapter_versions:
+            old, request = self._resident.pop(0)
+            if request.lora_int_id != lora_id:  # one version: replaced in place, same id
+                self.llm_engine.remove_lora(request.lora_int_id)
+            # A request held from before could otherwise reload the old version from it.
+            shutil.rmtree(self._adapter_folder(old), ignore_errors=True)
         self.llm.reset_prefix_cache()
         return 1
+
+    def _adapter_folder(self, version: int) -> Path:
+        return self._adapter_root / f"adapter-v{version:06d}"
+
+    def _version_id(self) -> int:
+        """The id the next adapter version loads under: ``lora_id`` with one version kept;
+        else an id above every earlier version's that no adapter holds, so a request held
+        from a version that was unloaded never meets a newer one under its id (it fails
+        loudly instead: vLLM finds no adapter at its path)."""
+        if self.adapter_versions == 1:
+            assert self.lora_id is not None  # claimed by check_adapter
+            return self.lora_id
+        loaded = self.llm_engine.list_loras()
+        start = self._next_id if self._next_id is not None else self.lora_id
+        lora_id = start if start is not None else self.FIRST_OWN_LORA_ID
+        while lora_id in loaded:
+            lora_id += 1
+        self.lora_id, self._next_id = lora_id, lora_id + 1
+        return lora_id
 
     def _memory_load_supported(self) -> bool:
         if not self.adapter_from_memory:
@@ -363,8 +464,9 @@ class VLLMEngine(Engine):
         return set(self._facts.lora.modules)
 
     def _forget_adapter(self) -> None:
-        self._lora_request = None
-        shutil.rmtree(self._adapter_root / "adapter", ignore_errors=True)
+        for version, _ in self._resident:
+            shutil.rmtree(self._adapter_folder(version), ignore_errors=True)
+        self._resident.clear()
 
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int

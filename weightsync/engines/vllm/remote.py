@@ -52,13 +52,18 @@ from ...wire.scratch import private_dir, scratch_dir
 from ...wire.tags import Signer
 from ..base import Attestation, Engine, register
 from .control import (
+    UNKNOWN_BASE,
     WORKER_EXTENSION,
     Control,
     LLMControl,
+    WeightsSpan,
     adapter_ids,
+    adapter_window,
     attestation,
+    base_label,
     since_arg,
     version_label,
+    weights_spans,
 )
 from .transports import Transport, make_transport
 
@@ -73,7 +78,15 @@ class RemoteVLLMEngine(Engine):
         adapter_dir: where adapter versions are written; the engine must read it at the same
             path. Defaults to a fresh ``/dev/shm/weightsync-*`` folder, removed by `close`, or,
             with the gloo transport, a folder on the engine's host the adapters are sent to.
-        lora_name: the name the served adapter is loaded under (requests use it as ``model``).
+        lora_name: the name the served adapter is loaded under (requests use it as ``model``);
+            with ``adapter_versions`` above 1, version k is loaded as ``<lora_name>-v<k>``.
+        adapter_versions: how many adapter versions stay loaded: the newest (`served_adapter`)
+            and the ones before it that rollouts still in flight were admitted under
+            (`resident_adapters`), each under a name and id of its own, so a request admitted
+            under version k finishes on k; older versions are unloaded and their folders
+            deleted. Set it to the framework's staleness bound + 1. The default, 1, loads each
+            version under ``lora_name``. Above 1 the engine needs ``--max-loras N`` and
+            ``--max-cpu-loras N+1`` (`control.adapter_window`), refused here otherwise.
     """
 
     name = "vllm-remote"
@@ -85,10 +98,12 @@ class RemoteVLLMEngine(Engine):
         transport: str | Transport = "tmpfs",
         adapter_dir: str | None = None,
         lora_name: str = "weightsync",
+        adapter_versions: int = 1,
     ) -> None:
         super().__init__()
         self.control = control
         self._facts = self._read_facts(transport)
+        self.adapter_versions = adapter_window(adapter_versions, self._facts.lora)
         self.transport = make_transport(transport)
         self.transport.connect(self.rpc, self._facts.world_size)
         self._adapter_dir = adapter_dir
@@ -101,9 +116,14 @@ class RemoteVLLMEngine(Engine):
         self._remote_adapters = False  # the workers wrote adapter folders: drop them on close
         self._served: str | None = None  # the lora name requests use, None: no adapter
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
+        self._resident: list[tuple[int, str]] = []  # (version, name) loaded, oldest first
         self._version = 0
         self._written_version: str | None = None
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
+        # vLLM labels outputs "default" until told: name the weights it serves now instead.
+        base = version_label(self.attest().epoch)
+        if base is not None:
+            self.control.label(base)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
         """What the engine loads and serves, from the worker extension."""
@@ -148,8 +168,21 @@ class RemoteVLLMEngine(Engine):
 
     @property
     def served_adapter(self) -> str | None:
-        """The name requests must use as ``model`` to get the synced adapter (None: none)."""
+        """The name requests must use as ``model`` to get the synced adapter, its newest
+        version (None: none)."""
         return self._served
+
+    @property
+    def adapter_version(self) -> int | None:
+        """The version of the served adapter (adapter loads counted by this engine adapter;
+        the key of `resident_adapters`); None: none."""
+        return self._resident[-1][0] if self._served is not None and self._resident else None
+
+    @property
+    def resident_adapters(self) -> dict[int, str]:
+        """The name of each adapter version kept loaded (see ``adapter_versions``), by
+        version, oldest first."""
+        return dict(self._resident)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -176,8 +209,26 @@ class RemoteVLLMEngine(Engine):
 
     def _written(self, version: str | None) -> None:
         """Called at the end of every completed write, while the engine is still paused, with
-        the version it attested then. An engine that labels its outputs with the version of
-        the weights that produced them (`AsyncLLMEngine`) does it here, before resuming."""
+        the version it attested then: vLLM's weight-version label becomes its base part
+        (`control.base_label`), before the engine resumes, so the tokens generated after the
+        write carry it. An adapter write leaves the label as it was: vLLM's label is
+        engine-wide, and each request keeps the adapter it was admitted with
+        (`control.weights_spans` adds it)."""
+        if version is not None:
+            self.control.label(base_label(version))
+
+    def mark_lost(self) -> None:
+        """The base may be a mix of old and new layers (a write failed part-way): the tokens
+        generated from now until the next completed base write are labelled `UNKNOWN_BASE`."""
+        super().mark_lost()
+        with contextlib.suppress(Exception):  # an engine that is gone generates nothing more
+            self.control.label(UNKNOWN_BASE)
+
+    @staticmethod
+    def weights_spans(output: Any, index: int = 0) -> list[WeightsSpan] | None:
+        """The base and adapter versions that produced each token of a finished
+        ``RequestOutput`` of this engine (`control.weights_spans`)."""
+        return weights_spans(output, index)
 
     def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
         """Pause, ``write()``, record the version it left (`written_version`), reset the prefix
@@ -263,9 +314,12 @@ class RemoteVLLMEngine(Engine):
             )
 
     def load_adapter(self, adapter: Adapter) -> int:
-        """Put the adapter in a new versioned folder, then unload the old one by name and load
-        the new one under the same name. Old folders are deleted once two newer versions exist:
-        a request admitted before a swap may still read its adapter's folder after it.
+        """Put the adapter in a new versioned folder and load it. With one version kept, the
+        old one is unloaded by name and the new one loaded under the same name; old folders are
+        deleted once two newer versions exist: a request admitted before a swap may still read
+        its adapter's folder after it. With more, the new version is loaded under a name of
+        its own, then the version that fell out of the window is unloaded and its folder
+        deleted.
 
         The folder is written here (``adapter_dir``, or a scratch folder of this host) unless the
         transport carries adapters to the engine's host (gloo, and no ``adapter_dir``)."""
@@ -287,17 +341,26 @@ class RemoteVLLMEngine(Engine):
             path = str(folder)
         assert path is not None
 
+        version = self._version
+        kept = self.adapter_versions
+        name = self.lora_name if kept == 1 else f"{self.lora_name}-v{version}"
+
         def swap() -> None:
-            self._served = None
-            self.control.unload_lora(self.lora_name)
-            self.control.load_lora(self.lora_name, path)
-            self._served = self.lora_name
+            if kept == 1:
+                self._served = None
+                self.control.unload_lora(name)
+                self._resident.clear()
+            self.control.load_lora(name, path)
+            self._served = name
+            self._resident.append((version, name))
+            while len(self._resident) > kept:
+                self.control.unload_lora(self._resident.pop(0)[1])
 
         self._paused_write("load_adapter", swap, base=False)
         self.adapter_path = path
         if local:
             self._versions.append(Path(path))
-            while len(self._versions) > 2:
+            while len(self._versions) > max(kept, 2):
                 shutil.rmtree(self._versions.pop(0), ignore_errors=True)
         return 1
 
@@ -318,7 +381,10 @@ class RemoteVLLMEngine(Engine):
         applying an old adapter to a new base (merged LoRA counted twice, ms-swift#8233)."""
         self._served = None
         if self.serves_lora:
-            self.control.unload_lora(self.lora_name)
+            names = [name for _, name in self._resident] or [self.lora_name]
+            for name in names:
+                self.control.unload_lora(name)
+        self._resident.clear()
 
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int

@@ -170,6 +170,9 @@ def facts(control: HTTPControl) -> EngineFacts:
         head = model.get_output_embeddings()
         lora = LoraLimits(
             max_rank=info["lora_config"]["max_lora_rank"],
+            max_loras=info["lora_config"]["max_loras"],
+            max_cpu_loras=info["lora_config"].get("max_cpu_loras")
+            or info["lora_config"]["max_loras"],
             modules=tuple(
                 sorted(
                     {

@@ -36,13 +36,15 @@ from . import ledger
 MEMORY_ROOT = "/weightsync-in-memory"
 
 
-def memory_lora_path(lora_name: str, lora_int_id: int) -> str:
+def memory_lora_path(lora_name: str, lora_int_id: int, version: int = 0) -> str:
     """``lora_path`` for a ``LoRARequest`` of an adapter installed from memory.
 
     Absolute (so vLLM never takes it for a hub id to download) and never created, so a request
-    for an adapter vLLM no longer holds fails loudly instead of loading anything.
+    for an adapter vLLM no longer holds fails loudly instead of loading anything. It names the
+    adapter's ``version`` too: vLLM's prefix-cache block hash covers an adapter's name and
+    path (not its id), so two versions replaced in place under one id must differ here.
     """
-    return f"{MEMORY_ROOT}/{lora_name}/{lora_int_id}"
+    return f"{MEMORY_ROOT}/{lora_name}/{lora_int_id}/v{version}"
 
 
 def _lora_manager(worker: Any) -> Any:

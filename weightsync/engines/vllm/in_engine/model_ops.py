@@ -347,7 +347,13 @@ def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
     tied, _ = fold_tied(tied_parameter_names(model), shapes)
     lora = None
     if config.lora_config is not None:
-        lora = LoraLimits(config.lora_config.max_lora_rank, tuple(sorted(lora_modules(model))))
+        limits = config.lora_config
+        lora = LoraLimits(
+            limits.max_lora_rank,
+            tuple(sorted(lora_modules(model))),
+            limits.max_loras,
+            limits.max_cpu_loras or limits.max_loras,
+        )
     return EngineFacts(
         dtype=str(model_config.dtype).removeprefix("torch."),
         weights=shapes,

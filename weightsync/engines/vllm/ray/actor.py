@@ -155,9 +155,6 @@ class _EngineSide:
             if method == DELTA_DROP:
                 self._weightsync_copies = None
                 return [Outcome().to_json()]
-        if call == "label":  # only an AsyncLLM labels its outputs with a weight version
-            label = getattr(control, "label", None)
-            return None if label is None else label(*args)
         return getattr(control, call)(*args)
 
     def _weightsync_load(self, channel: Any, key: str = "", delta: str = "") -> list[Outcome]:
@@ -369,8 +366,8 @@ class AsyncWeightsyncActor(_EngineSide):
     ``AsyncLLM`` calls it makes are scheduled back onto the loop (`AsyncLLMControl`), so the
     framework's generations go on while a sync runs, until the write pauses them with
     ``mode="keep"`` (requests frozen, recomputed under the new weights after it). Each write
-    also labels vLLM's weight version, so every ``RequestOutput`` says which weights produced
-    which tokens (``engines/vllm/asyncllm.py``).
+    also labels vLLM's weight version with the base version it left, so every ``RequestOutput``
+    says which weights produced which tokens (``RemoteVLLMEngine._written``, docs/async-rl.md).
     """
 
     async def weightsync_call(self, call: str, *args: Any) -> Any:

@@ -343,9 +343,3 @@ class RayVLLMEngine(RemoteVLLMEngine):
 
     def describe(self) -> str:
         return f"{super().describe()} in {self.control!r} (bytes: {self.transport.name})"
-
-    def _written(self, version: str | None) -> None:
-        """Label the outputs of an ``AsyncLLM`` in the actor with the version the write left,
-        before it resumes (as `AsyncLLMEngine` does in process)."""
-        if version is not None:
-            self.control.label(version)
