@@ -50,7 +50,7 @@ from ..wire.protocol import Outcome
 from ..wire.tags import Signer
 
 try:
-    from verl.checkpoint_engine.base import (  # type: ignore[import-not-found]
+    from verl.checkpoint_engine.base import (
         CheckpointEngine,
         CheckpointEngineRegistry,
     )
