@@ -26,6 +26,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -144,6 +145,26 @@ def trainer_dropout(model: nn.Module) -> str | None:
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
             return f"config.{key}={value}"
     return None
+
+
+def trainer_alarm(
+    model: nn.Module, engine: object, mode: Literal["log", "raise", "off"]
+) -> RolloutAlarm | None:
+    """The alarm a trainer integration installs (``mode``: log an alarm, raise it, or none), or
+    None: ``mode="off"``, or the trainer's forward has dropout (`trainer_dropout`; a warning
+    says so, since the check the user asked for does not run)."""
+    if mode == "off":
+        return None
+    noise = trainer_dropout(model)
+    if noise is not None:
+        logger.warning(
+            "weightsync: the rollout alarm is off: the trainer computes its logprobs with "
+            "dropout (%s), so they are a noisy sample, not what the weights compute; set the "
+            "dropout to 0 to have every batch checked",
+            noise,
+        )
+        return None
+    return RolloutAlarm(engine=engine, raise_on_alarm=mode == "raise")
 
 
 class RolloutAlarm:

@@ -22,12 +22,11 @@ option costs: docs/recipes.md, "ms-swift".
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Literal
 
 import torch
 
-from ..alarm import RolloutAlarm, trainer_dropout
+from ..alarm import RolloutAlarm, trainer_alarm
 from ..engines.vllm.inprocess import VLLMEngine
 from ..syncer import Syncer
 
@@ -35,8 +34,6 @@ from ..syncer import Syncer
 #: peft LoRA adapter on a frozen base. Others (longlora, adalora, reft, vera, boft, ...) train
 #: weights or modules weightsync's PEFT allowlist does not cover.
 TUNER_TYPES = ("full", "lora")
-
-logger = logging.getLogger(__name__)
 
 
 def use_weightsync(
@@ -96,8 +93,9 @@ def use_weightsync(
     if served:
         _generate_with_adapter(trainer.engine, engine)
     trainer.weightsync = syncer
-    if alarm != "off":
-        _check_rollouts(trainer, RolloutAlarm(engine=engine, raise_on_alarm=alarm == "raise"))
+    checker = trainer_alarm(trainer.model, engine, alarm)
+    if checker is not None:
+        _check_rollouts(trainer, checker)
     return syncer
 
 
@@ -105,15 +103,6 @@ def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
     """Run ``alarm`` where swift compares its rollout logprobs with the trainer's
     (``_compute_rollout_offpolicy_metrics``, on for every batch from now on)."""
     offpolicy_metrics = trainer._compute_rollout_offpolicy_metrics
-    noise = trainer_dropout(trainer.model)
-    if noise is not None:
-        logger.warning(
-            "weightsync: the rollout alarm is off: the trainer computes its logprobs with "
-            "dropout (%s), so they are a noisy sample, not what the weights compute; set the "
-            "dropout to 0 to have every batch checked",
-            noise,
-        )
-        return
 
     @functools.wraps(offpolicy_metrics)
     def checked(

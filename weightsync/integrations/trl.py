@@ -26,13 +26,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import logging
 import os
 import typing
 from collections.abc import Iterator
 from typing import Any
 
-from ..alarm import RolloutAlarm, trainer_dropout
+from ..alarm import RolloutAlarm, trainer_alarm
 from ..engines.base import Engine
 from ..engines.vllm.inprocess import VLLMEngine
 from ..engines.vllm.server import VLLMServerEngine
@@ -40,8 +39,6 @@ from ..engines.vllm.server_auth import HEADER as TOKEN_HEADER
 from ..engines.vllm.server_auth import TOKEN_ENV
 from ..engines.vllm.transports import Transport
 from ..syncer import Syncer
-
-logger = logging.getLogger(__name__)
 
 
 def use_weightsync(
@@ -174,8 +171,9 @@ def use_weightsync(
 
     vg.sync_weights = sync_weights
     vg.weightsync = syncer
-    if alarm != "off":
-        _check_rollouts(trainer, RolloutAlarm(engine=engine, raise_on_alarm=alarm == "raise"))
+    checker = trainer_alarm(trainer.model, engine, alarm)
+    if checker is not None:
+        _check_rollouts(trainer, checker)
     return syncer
 
 
@@ -266,15 +264,6 @@ def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
     both sides' logprobs, and add its figures to the trainer's metrics."""
     generate_and_score = getattr(trainer, "_generate_and_score_completions", None)
     if generate_and_score is None:  # a trainer without GRPO's batch: nothing to compare
-        return
-    noise = trainer_dropout(trainer.model)
-    if noise is not None:
-        logger.warning(
-            "weightsync: the rollout alarm is off: the trainer computes its logprobs with "
-            "dropout (%s), so they are a noisy sample, not what the weights compute; set the "
-            "dropout to 0 to have every batch checked",
-            noise,
-        )
         return
 
     @functools.wraps(generate_and_score)

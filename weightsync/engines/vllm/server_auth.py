@@ -100,18 +100,20 @@ class RequireToken:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps(
-            {"error": f"weightsync token required for {path} ({HEADER} header)"}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await answer_error(send, 401, f"weightsync token required for {path} ({HEADER} header)")
 
     def _allowed(self, scope: Scope) -> bool:
         given = [v for k, v in scope.get("headers", []) if k.lower() == HEADER.encode()]
         return len(given) == 1 and hmac.compare_digest(given[0], self._token)
+
+
+async def answer_error(send: Send, status: int, message: str) -> None:
+    """Answer an HTTP request with ``status`` and ``{"error": message}`` (JSON)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": json.dumps({"error": message}).encode()})

@@ -34,13 +34,14 @@ Standard library only: it runs inside vLLM's API server process, which imports i
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from .server_auth import OPEN, Receive, Scope, Send, answer_error
 
 #: The server's environment variable holding the lease, in seconds.
 LEASE_ENV = "WEIGHTSYNC_PAUSE_LEASE_S"
@@ -52,31 +53,6 @@ DEFAULT_LEASE_S = 10.0
 #: The header carrying the lease id (answered by ``/pause``, sent back by the trainer).
 HEADER = "x-weightsync-lease"
 
-#: Paths that generate or describe: they neither hold nor renew a lease.
-INFERENCE = frozenset(
-    {
-        "/health",
-        "/ping",
-        "/ready",
-        "/readyz",
-        "/load",
-        "/version",
-        "/metrics",
-        "/v1/models",
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/messages",
-        "/tokenize",
-        "/detokenize",
-        "/inference/v1/generate",
-    }
-)
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 logger = logging.getLogger("weightsync.server_lease")
 
@@ -109,7 +85,7 @@ class PauseLease:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
-        if path in INFERENCE:
+        if path in OPEN:  # they generate or describe: they neither hold nor renew a lease
             await self.app(scope, receive, send)
             return
         given = _header(scope, HEADER)
@@ -206,14 +182,6 @@ async def _refuse(send: Send, lease: str, expired_at: float | None, lease_s: flo
         if expired_at is not None
         else "the server holds no such pause (it was resumed, or the server restarted)"
     )
-    body = json.dumps(
-        {"error": f"weightsync pause lease {lease} is over: {when}. Nothing was run."}
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 409,
-            "headers": [(b"content-type", b"application/json")],
-        }
+    await answer_error(
+        send, 409, f"weightsync pause lease {lease} is over: {when}. Nothing was run."
     )
-    await send({"type": "http.response.body", "body": body})
