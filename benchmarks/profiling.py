@@ -73,8 +73,11 @@ def full_sync(engine: Any, model: Any) -> dict[str, Any]:
 def adapter_sync(engine: Any, peft: Any, syncs: int = 10) -> dict[str, Any]:
     """Where the seconds of AdapterSync r16 of ``peft`` into ``engine`` go: ``syncs`` syncs
     under cProfile, with each function's cumulative seconds per sync, and the same syncs'
-    median without the profiler."""
+    median without the profiler. The base is restored first: the rows before may have left
+    the engine on another base (a checkpoint reload, while the in-place merge anchor drifted the
+    trainer's), and an adapter is sent alone only onto the base it was trained against."""
     peft.set_adapter("r16")
+    FullSync(lora="separate").sync(peft, engine)
     sync = functools.partial(AdapterSync().sync, peft, engine)
     sync()
     times = []

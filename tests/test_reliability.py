@@ -779,16 +779,23 @@ def test_an_engine_in_the_next_module_serves(tmp_path_factory):
 """
 
 
-def test_a_failed_engine_breaks_no_other_engine(pytester):
+def test_a_failed_engine_breaks_no_other_engine(pytester, monkeypatch):
     """In a fresh process running this suite's own conftest: an engine that started and then
     failed, followed by another engine in the same module and one in the next module, both of
     which must serve. Without the conftest's hold on every engine to its module's end, the
     second engine's start-up collected the failed one, whose shutdown tore down vLLM's
     process-wide parallel state under it ("tensor model parallel group is not initialized")."""
+    import os
     from pathlib import Path
 
     pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
     pytester.makepyfile(test_a=FAILED_ENGINE_MODULE, test_b=NEXT_MODULE)
+    # The conftest imports the repository's benchmarks/ (its process helpers), as the suite's
+    # pyproject makes it importable from the root; the nested run's root is a temporary folder.
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")
     result.stdout.fnmatch_lines(
         [

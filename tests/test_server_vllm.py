@@ -344,10 +344,16 @@ def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transp
         engine.load_weights(bad_stream(new, engine, kind))
     assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed
     assert servers[tp].alive(), servers[tp].tail()
-    engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
-    assert engine.base_discarded, "a failed write must mark the base unsynced"
-    with pytest.raises(BaseDiscardedError):
-        AdapterSync().sync(lora_model(ARCH[tp], seed=42), engine)
+    if transport == "tmpfs" and kind == "trainer":
+        # tmpfs stages the whole stream before the pause: the trainer failed while staging, so
+        # the server was never touched and serves exactly the old weights, its base intact.
+        T.assert_matches(old, engine, atol=ATOL)
+        assert not engine.base_discarded
+    else:
+        engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
+        assert engine.base_discarded, "a failed write must mark the base unsynced"
+        with pytest.raises(BaseDiscardedError):
+            AdapterSync().sync(lora_model(ARCH[tp], seed=42), engine)
     FullSync().sync(new, engine)  # the next full sync repairs it
     T.assert_matches(new, engine, atol=ATOL)
     assert not engine.base_discarded

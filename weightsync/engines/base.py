@@ -198,14 +198,17 @@ class Engine(EngineContract):
         before (a level-1 sleep)."""
         before = self._checked
         now = self.attest()
-        kept = restored or (before is not None and before.harm < 2 and now.epoch is not None)
+        intact = before is not None and before.harm < 2  # the base survived up to this write
+        kept = restored or (intact and now.epoch is not None)
         if restored:
             self._restored_at = now.epoch
             self._known_harm = 0
         elif kept:
             self._restored_at = now.epoch
             self._known_harm = max(self._known_harm, before.harm if before else 0)
-        self._base = dict(base) if kept and base is not None else {}
+        # A write that is not a restore leaves the base it found (held_base still asks the
+        # engine for harm at the next proof), also where the engine keeps no epoch.
+        self._base = dict(base) if (restored or intact) and base is not None else {}
         self._base_source = source or "a write that recorded no base"
         if held and now.epoch is not None:
             self._held, self._held_epoch = dict(held), now.epoch
