@@ -68,6 +68,31 @@ def test_one_format_any_reader_reads(tmp_path):
     assert all(torch.equal(viewed[n], t) for n, t in bucket)
 
 
+def test_a_kept_file_rewritten_between_syncs_is_tagged_as_the_trainer_wrote_it(tmp_path):
+    """Another process of the same user swaps two same-shape names in a kept file's header
+    between syncs: the next sync writes (and tags) the file whole again, so the workers load
+    the trainer's tensors under their own names, never the swapped ones."""
+    from weightsync.wire.files import KeptFiles, MappedFiles
+
+    a, b = torch.full((4, 4), 1.0), torch.full((4, 4), 2.0)
+    kept = KeptFiles(tmp_path / "kept")
+    try:
+        kept.write([[("a.weight", a), ("b.weight", b)]])
+        path = kept.folder / "bucket-00000.safetensors"
+        data = path.read_bytes()
+        swapped = data.replace(b'"a.weight"', b'"x.weight"').replace(b'"b.weight"', b'"a.weight"')
+        path.write_bytes(swapped.replace(b'"x.weight"', b'"b.weight"'))  # same size, in place
+        assert dict(fmt.read([path]))["a.weight"].eq(2.0).all()  # the attack took on disk
+        signer = Signer()
+        written = kept.write([[("a.weight", a), ("b.weight", b)]], signer=signer)
+        got = dict(
+            MappedFiles().read(str(kept.folder), written.names, signer.key_hex, written.tags)
+        )
+        assert torch.equal(got["a.weight"], a) and torch.equal(got["b.weight"], b)
+    finally:
+        kept.close()
+
+
 def test_an_unknown_dtype_is_refused_before_a_byte_is_written(tmp_path):
     with pytest.raises(TypeError, match=r"x: dtype torch\.complex64"):
         fmt.write([("x", torch.zeros(2, dtype=torch.complex64))], tmp_path / "f.safetensors")

@@ -158,10 +158,14 @@ class KeptFiles:
 
     def _copy_in(self, name: str, bucket: fmt.Pairs) -> mmap.mmap:
         """Copy ``bucket`` into the kept file ``name``, replacing the file if its layout
-        changed; the file's mapping."""
+        changed; the file's mapping. The header is written again every time, like the data:
+        the tag taken after covers the whole file as this trainer produced it, not a header
+        someone rewrote in the kept file since the last sync."""
         header, places = fmt.layout(bucket)
         kept = self._maps.get(name)
-        if kept is None or kept[0] != header:
+        if kept is not None and kept[0] == header:
+            kept[1][: len(header)] = header
+        else:
             total = fmt.size(header, places)
             tmp = self.folder / (name + ".new")
             with open(tmp, "w+b", opener=owner_only) as f:
