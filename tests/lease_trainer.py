@@ -5,6 +5,8 @@ trainer's model and syncs it into the server (FullSync, tmpfs, kept files), kill
 with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at ``point``:
 
 - ``staging``: after the first bucket's file is written, before the server is touched;
+- ``streaming``: over gloo (staged: `GlooTransport.prepare`), after the first bucket was
+  broadcast to the workers' stages, before the pause;
 - ``paused``: right after the server answered ``/pause``;
 - ``applied``: right after the workers loaded every file, before the prefix-cache reset and
   ``/resume``.
@@ -25,7 +27,9 @@ from weightsync import FullSync
 from weightsync.engines import VLLMServerEngine
 from weightsync.engines.vllm.control import HTTPControl
 from weightsync.engines.vllm.remote import RemoteVLLMEngine
+from weightsync.engines.vllm.transports.gloo import GlooTransport
 from weightsync.engines.vllm.transports.tmpfs import TmpfsTransport
+from weightsync.wire import gloo
 
 
 def die() -> None:
@@ -44,6 +48,14 @@ def main(url: str, checkpoint: str, point: str) -> None:
             return prepare(self, rpc, [next(first)]) and die()
 
         TmpfsTransport.prepare = staging
+    elif point == "streaming":
+        send_frame = gloo.send_frame
+
+        def streaming(group, frame):  # one frame broadcast, then killed
+            send_frame(group, frame)
+            die()
+
+        gloo.send_frame = streaming
     elif point == "paused":
         pause = HTTPControl.pause
 
@@ -64,7 +76,8 @@ def main(url: str, checkpoint: str, point: str) -> None:
         RemoteVLLMEngine.rpc = applied
     else:
         raise SystemExit(f"unknown point {point!r}")
-    FullSync().sync(model, VLLMServerEngine(url))
+    transport = GlooTransport() if point == "streaming" else "tmpfs"
+    FullSync().sync(model, VLLMServerEngine(url, transport=transport))
     raise SystemExit(f"the sync ended without reaching {point!r}")
 
 

@@ -3,7 +3,8 @@
 A real server with weightsync's worker extension and pause lease (``server_lease.py``, a short
 lease here), a real trainer process (``tests/lease_trainer.py``) SIGKILLed at one point of a
 FullSync over tmpfs: before the server is touched (staging), right after it paused the server,
-and right after the workers loaded every file (inside the pause, before the reset and resume).
+and right after the workers loaded every file (inside the pause, before the reset and resume);
+and over gloo, part-way through the stream the workers stage while they serve (streaming).
 A separate client's greedy tokens must then come within a bounded time and be exactly the old
 weights' -- or the new weights', where the load had completed -- the next honest sync (by a new
 trainer) must be exact, and nothing of the dead trainer may stay in /dev/shm. A trainer that
@@ -62,7 +63,8 @@ def answered(url: str) -> tuple[list[list[int]], float]:
 
 
 @pytest.mark.parametrize(
-    "point, serves", [("staging", "old"), ("paused", "old"), ("applied", "new")]
+    "point, serves",
+    [("staging", "old"), ("streaming", "old"), ("paused", "old"), ("applied", "new")],
 )
 def test_a_trainer_killed_mid_sync_leaves_a_serving_server(server, point, serves, tmp_path):
     old, new, newer = (T.tiny_model("llama") for _ in range(3))
@@ -86,7 +88,7 @@ def test_a_trainer_killed_mid_sync_leaves_a_serving_server(server, point, serves
     tokens, waited = answered(server.url)
     assert tokens == greedy(old if serves == "old" else new), f"killed at {point}"
     assert waited < BOUND_S
-    if point == "staging":  # never paused: answered at once
+    if point in ("staging", "streaming"):  # never paused: answered at once
         assert waited < LEASE_S
 
     honest = VLLMServerEngine(server.url)  # a new trainer: its scratch folder sweeps the dead's

@@ -184,24 +184,30 @@ def test_a_bucket_file_rewritten_before_the_load_is_refused_with_nothing_loaded(
 def test_a_gloo_frame_corrupted_on_the_way_is_refused_and_the_next_sync_repairs(
     engines, monkeypatch
 ):
+    """A late frame of a many-bucket stream is corrupted: the workers stage the whole stream
+    before loading any of it (`GlooTransport.prepare`), so nothing was loaded, the server was
+    never paused, and its base stays the synced one."""
     engine = engines("gloo")
     sync_and_check(FullSync(), full_model(ARCH, seed=30), engine)
-    before = greedy(engine)
+    before, written = greedy(engine), engine.written_version
     send = gloo.broadcast
-    hit = []
+    frames = []
 
     def corrupting(group, tensor):
-        if not hit and tensor.dtype == torch.uint8 and tensor.numel() > 1024:  # a bucket
-            hit.append(tensor.numel())
-            tensor[-1] ^= 0x55  # after the tag was taken: as if changed on the wire
+        if tensor.dtype == torch.uint8 and tensor.numel() > 1024:  # a bucket
+            frames.append(tensor.numel())
+            if len(frames) == 5:
+                tensor[-1] ^= 0x55  # after the tag was taken: as if changed on the wire
         send(group, tensor)
 
     monkeypatch.setattr(gloo, "broadcast", corrupting)
-    with pytest.raises(BytesRejectedError, match=r"bucket 0 of the stream.*not the ones"):
-        FullSync().sync(full_model(ARCH, seed=31), engine)
+    with pytest.raises(BytesRejectedError, match=r"bucket 4 of the stream.*not the ones"):
+        FullSync(bucket_bytes=64 << 10).sync(full_model(ARCH, seed=31), engine)
     monkeypatch.undo()
-    assert hit, "no bucket frame went through the corrupting broadcast: the test proved nothing"
-    assert greedy(engine) == before  # the first bucket was refused: nothing was loaded
+    assert len(frames) > 5, f"{len(frames)} bucket frames: the corrupted one was not late"
+    assert greedy(engine) == before  # four buckets came before it: nothing was loaded
+    assert not engine.base_discarded
+    assert written is not None and engine.written_version == written  # never paused
     sync_and_check(FullSync(), full_model(ARCH, seed=31), engine)
 
 

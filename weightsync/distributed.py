@@ -107,13 +107,15 @@ def _facts_of(engine: Engine, strategy: Strategy) -> dict[str, Any]:
     }
 
 
-def _failure(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc)
+def _failure(exc: BaseException) -> tuple[str, str, bool]:
+    return type(exc).__name__, str(exc), errors.left_untouched(exc)
 
 
-def _raise(rank: int, kind: str, message: str, cause: BaseException | None = None) -> None:
+def _raise(
+    rank: int, kind: str, message: str, untouched: bool = False, cause: BaseException | None = None
+) -> None:
     """Raise, on this rank, the error ``rank`` met: same class when it is one of weightsync's
-    errors or a builtin, same message everywhere."""
+    errors or a builtin, same message everywhere, marked `errors.untouched` if it was."""
     cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         cls = RuntimeError
@@ -122,6 +124,8 @@ def _raise(rank: int, kind: str, message: str, cause: BaseException | None = Non
         exc = cls(text)
     except Exception:  # noqa: BLE001 -- a class whose constructor wants more than a message
         exc = RuntimeError(text)
+    if untouched:
+        errors.untouched(exc)
     raise exc from cause
 
 
@@ -196,13 +200,14 @@ def sync(
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(outcomes))
     for r, (status, detail) in zip(ranks, outcomes, strict=True):
         if status == "error":
-            _raise(r, detail[0], detail[1], cause=failed)
+            _raise(r, detail[0], detail[1], detail[2], cause=failed)
     if any(detail != outcomes[0][1] for _, detail in outcomes):
         raise RuntimeError(
             "weightsync.distributed: the ranks planned different syncs (names, shapes or order "
             "differ), nothing was written. Every rank must hold the same model architecture."
         )
     assert plan is not None
+    synced = syncer.base_sync_done if syncer is not None else False
     if syncer is not None:
         syncer.base_sync_done = False
 
@@ -213,9 +218,14 @@ def sync(
             adapter = dataclasses.replace(plan.adapter, tensors=gathered)
             plan = dataclasses.replace(plan, adapter=adapter)
         del gathered
-    if rank != src:
-        return _follow(plan, src, group)
-    report = _lead(plan, real, src, group, start)
+    try:
+        if rank != src:
+            return _follow(plan, src, group)
+        report = _lead(plan, real, src, group, start)
+    except BaseException as error:
+        if syncer is not None and errors.left_untouched(error):  # a failed stage: as it was
+            syncer.base_sync_done = synced
+        raise
     if syncer is not None:
         syncer.base_sync_done = True
         syncer.step += 1

@@ -136,3 +136,23 @@ class StaleRolloutError(WeightSyncError, RuntimeError):
     """A rollout batch's sampled-token logprobs are further from the trainer's than the engine's
     tolerance allows (`weightsync.alarm`): the engine generated from other weights than the
     trainer holds. Raised only when asked (``raise_on_alarm``); otherwise logged."""
+
+
+_UNTOUCHED = "_weightsync_untouched"
+
+
+def untouched(error: BaseException) -> BaseException:
+    """Mark ``error`` as having failed a sync before any of it reached the engine's weights (a
+    stage that failed: a refused frame, the trainer's own error while the bytes travelled), and
+    say so in a note on it. The error itself is not changed: the cause stays what is raised.
+    `execute` does not mark such an engine's base lost and `Syncer` keeps ``base_sync_done``."""
+    setattr(error, _UNTOUCHED, True)
+    note = getattr(error, "add_note", None)  # Python 3.11+
+    if note is not None:
+        note("weightsync: nothing of this sync reached the engine; it serves what it did")
+    return error
+
+
+def left_untouched(error: BaseException) -> bool:
+    """Whether `untouched` marked ``error``."""
+    return bool(getattr(error, _UNTOUCHED, False))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import timing
+from . import errors, timing
 from .engines.base import Engine, adapt
 from .errors import EngineChangedError
 from .plan import Bucket, Plan, Weight, numel
@@ -92,7 +92,8 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
 
     The sleep guard is checked again, since the engine may have slept since the plan was made.
     If a write fails part-way the error propagates and the engine holds a mix of old and new
-    weights: the base must be treated as unsynced (``Syncer`` does).
+    weights: the base must be treated as unsynced (``Syncer`` does). An engine that staged the
+    write and failed before committing any of it says so (`errors.untouched`): its base stays.
     """
     engine = adapt(engine)
     now = engine.check_writable(restores_base=plan.restores_base, strategy=plan.strategy)
@@ -107,8 +108,9 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
     try:
         with timing.listen(tally.heard):
             _write_plan(plan, engine, tally)
-    except BaseException:
-        engine.mark_lost()  # a part-written engine holds nothing we can vouch for
+    except BaseException as error:
+        if not errors.left_untouched(error):
+            engine.mark_lost()  # a part-written engine holds nothing we can vouch for
         raise
     # A folder reload re-read what it holds from disk: keep no record (skipping is off once).
     engine.remember(

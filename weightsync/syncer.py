@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from . import policy
+from . import errors, policy
 from .engines.base import Engine, adapt
 from .errors import BaseUnprovenError
 from .execute import execute
@@ -145,9 +145,14 @@ class Syncer:
         """
         start = time.perf_counter()
         strategy = self.choose(sleep_level)
-        self.base_sync_done = False
+        synced, self.base_sync_done = self.base_sync_done, False
         plan = self._plan(strategy, model)[1]
-        report = execute(plan, self.engine, started=start)
+        try:
+            report = execute(plan, self.engine, started=start)
+        except BaseException as error:
+            if errors.left_untouched(error):  # a failed stage: the engine holds what it held
+                self.base_sync_done = synced
+            raise
         report = dataclasses.replace(report, weights_version=synced_version(self.engine, report))
         if self.verify:
             diff = check_engine(model, self.engine, strategy=plan.strategy, step=self.step)

@@ -210,12 +210,17 @@ def assert_matches(
     return result
 
 
-#: Worker calls that read and write nothing: the engine's facts and its attested epoch.
+#: Worker calls that write nothing into the engine's weights: the engine's facts and its
+#: attested epoch, and a gloo stage's receipt, check and drop (bytes held beside the model;
+#: only ``weightsync_commit_staged`` loads them).
 READ_ONLY_RPCS = (
     "weightsync_facts",
     "weightsync_attest",
     "weightsync_delta_state",
     "weightsync_delta_digests",
+    "weightsync_stage_gloo",
+    "weightsync_staged",
+    "weightsync_drop_staged",
     "list_loras",
 )
 

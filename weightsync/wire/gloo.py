@@ -23,12 +23,19 @@ Who gets in. torch's ``TCPStore`` listens on every interface and has no authenti
 Deltas (``wire.delta``): with the trainer's `SentCopies` and a worker's `LoadedCopies`, a bucket
 whose base the worker holds travels as a DELTA frame, checked as the whole bucket
 (``wire.stream``).
+
+Staging (`Staging`): a worker can receive a whole stream in a thread of its own, into host
+memory, while its engine keeps generating, and load it only once every frame and the END were
+checked. A trainer that dies or fails part-way then leaves nothing loaded: the stream is staged,
+then committed (``engines/vllm/transports/gloo.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
@@ -36,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..errors import WeightSyncError
 from . import format as fmt
 from . import stream
 from .delta import LoadedCopies, SentCopies
@@ -211,12 +219,13 @@ def send_abort(group: Any) -> None:
 def send(
     group: Any,
     buckets: Iterable[fmt.Pairs],
-    received: Future,
+    received: Future | None,
     send_one: Callable[[Any, fmt.Pairs, Signer | None], None] = send_bucket,
     signer: Signer | None = None,
 ) -> None:
-    """Broadcast ``buckets`` then END while the workers receive (``received``: their RPC);
-    with ``signer``, every frame but ABORT is tagged (the workers must hold its key).
+    """Broadcast ``buckets`` then END while the workers receive (``received``: their RPC, or
+    None when they receive in a `Staging` thread, which reports at its ``wait``); with
+    ``signer``, every frame but ABORT is tagged (the workers must hold its key).
 
     If the workers stop receiving part-way (their RPC returned: the engine refused), sending
     stops and that is raised. If producing or sending a bucket fails, an ABORT frame tells the
@@ -225,18 +234,20 @@ def send(
     count = 0
     try:
         for bucket in buckets:
-            if received.done():
+            if received is not None and received.done():
                 received.result()
                 raise RuntimeError("the engine's workers stopped receiving part-way")
             send_one(group, bucket, signer)
             count += 1
     except BaseException:
-        if not received.done():
+        if received is None or not received.done():
             send_abort(group)
-        received.exception()  # wait: the workers have restored their layers
+        if received is not None:
+            received.exception()  # wait: the workers have restored their layers
         raise
     send_end(group, count, signer)
-    received.result()
+    if received is not None:
+        received.result()
 
 
 class Receiver:
@@ -300,6 +311,79 @@ class Receiver:
         self._draining = True
         for _ in self:
             pass
+
+
+class Staging:
+    """A worker's receipt of one whole stream into host memory, in a thread of its own, so the
+    engine keeps generating while the bytes travel; nothing is loaded here.
+
+    Every frame is checked as it arrives (``stream.Checker``: tags, order, the END's count);
+    any failure -- a refused frame, the trainer's ABORT, the trainer gone (gloo reports the
+    closed connection), more than ``max_bytes`` -- drains the rest of the stream if it can and
+    keeps the error instead of the tensors. Costs the stream's bytes in host memory until the
+    stage is loaded or dropped.
+
+    Args:
+        group, key, copies: as for `Receiver`.
+        max_bytes: the most this stage may hold (None: no bound).
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        key: str = "",
+        copies: LoadedCopies | None = None,
+        *,
+        max_bytes: int | None = None,
+    ) -> None:
+        self._receiver = Receiver(group, key, copies)
+        self._max_bytes = max_bytes
+        self._pairs: list[tuple[str, torch.Tensor]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="weightsync-stage", daemon=True)
+        self._thread.start()
+
+    @property
+    def buckets(self) -> int:
+        """Buckets received and checked so far."""
+        return self._receiver.buckets
+
+    def _run(self) -> None:
+        held = 0
+        try:
+            for name, tensor in self._receiver:
+                held += tensor.nbytes
+                if self._max_bytes is not None and held > self._max_bytes:
+                    raise WeightSyncError(
+                        f"the stream needs more than the {self._max_bytes} bytes this worker "
+                        "may stage (max_stage_bytes): nothing was loaded"
+                    )
+                self._pairs.append((name, tensor))
+        except BaseException as e:  # noqa: BLE001 (kept for `wait`; this thread ends here)
+            self._error, self._pairs = e, []
+            if not self._receiver.finished:
+                with contextlib.suppress(Exception):  # the trainer is gone: nothing to drain
+                    self._receiver.drain()
+
+    def wait(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
+        """The staged ``(name, tensor)`` pairs, once the END frame was received and checked.
+
+        Raises:
+            WeightSyncError: nothing came in ``timeout_s`` seconds.
+            Exception: what failed the stage (``BytesRejectedError`` for a refused frame).
+        """
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WeightSyncError(
+                f"the staged stream did not end within {timeout_s:g} s: nothing was loaded"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._pairs
+
+    def drop(self) -> None:
+        """Let go of the staged tensors (a thread still receiving keeps its own until it ends)."""
+        self._pairs = []
 
 
 def gather_outcomes(group: Any, size: int, mine: Outcome) -> tuple[Any, list[torch.Tensor]]:

@@ -37,12 +37,13 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Hashable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ... import timing
+from ... import errors, timing
 from ...errors import AdapterError, EngineBrokenError, EngineUnavailableError, NoCheckpointError
 from ...plan import Adapter, Bucket
 from ...wire import format as fmt
@@ -273,22 +274,30 @@ class RemoteVLLMEngine(Engine):
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
         """Stage ``buckets`` (`Transport.prepare`) while the engine serves, then apply them in
-        one `_paused_write`: a failure while staging leaves the engine untouched."""
-        staged = self.transport.prepare(self.rpc, buckets)
+        one `_paused_write`: a failure while staging leaves the engine untouched (and says so:
+        `errors.untouched`)."""
         try:
-            self._forget_adapter()
-            self._paused_write("load_weights", staged.apply)
+            staged = self.transport.prepare(self.rpc, buckets)
+        except BaseException as error:
+            errors.untouched(error)
+            raise
+        try:
+            self._paused_write("load_weights", lambda: self._base_written(staged.apply))
         finally:
             staged.drop()
         return 1
 
     def reload_checkpoint(self, path: str | None = None) -> int:
-        self._forget_adapter()
-        self._paused_write(
-            "reload_checkpoint",
-            lambda: self.rpc("weightsync_reload_checkpoint", {"path": path or ""}),
-        )
+        reload = partial(self.rpc, "weightsync_reload_checkpoint", {"path": path or ""})
+        self._paused_write("reload_checkpoint", lambda: self._base_written(reload))
         return 1
+
+    def _base_written(self, write: Callable[[], Any]) -> None:
+        """``write()`` the base, then unload the served adapter (`_forget_adapter`), inside the
+        pause: a write that fails before loading anything leaves the adapter served, as the
+        rest of what the engine served."""
+        write()
+        self._forget_adapter()
 
     def check_adapter(self, adapter: Adapter) -> None:
         lora = self._facts.lora

@@ -98,8 +98,9 @@ class StockServerEngine(VLLMServerEngine):
         the folder is removed after, whatever happens."""
         kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
         try:
-            self._forget_adapter()
-            self._paused_write(what, lambda: self.rpc("reload_weights", kwargs))
+            self._paused_write(
+                what, lambda: self._base_written(lambda: self.rpc("reload_weights", kwargs))
+            )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

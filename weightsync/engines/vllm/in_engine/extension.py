@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ....errors import WeightMismatchError
 from ....wire import format as fmt
 from ....wire import gloo, scratch
 from ....wire.delta import LoadedCopies
@@ -58,6 +60,8 @@ class WeightsyncWorker:
     _weightsync_store: Any = None
     _weightsync_adapter_root: Path | None = None
     _weightsync_copies: LoadedCopies | None = None
+    _weightsync_stage: gloo.Staging | None = None
+    _weightsync_stage_delta: str = ""
 
     def _weightsync_outcome(self, error: BaseException | None = None, value: Any = None) -> dict:
         if error is not None:
@@ -181,6 +185,73 @@ class WeightsyncWorker:
             receiver.drain()
         return outcome.to_json()
 
+    def weightsync_stage_gloo(
+        self, key: str = "", delta: str = "", max_bytes: int | None = None
+    ) -> dict:
+        """Start receiving the trainer's next gloo stream in a thread (`gloo.Staging`) and
+        return at once: the engine keeps generating while the bytes travel, and nothing is
+        loaded until `weightsync_commit_staged`. A stage not yet committed is dropped.
+        ``key`` and ``delta`` as for `weightsync_receive_gloo`; ``max_bytes``: the most this
+        worker may stage."""
+        if self._weightsync_group is None:
+            return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
+        self._weightsync_drop_stage()
+        copies = None
+        if delta:
+            copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
+            copies.begin()
+        self._weightsync_stage_delta = delta
+        self._weightsync_stage = gloo.Staging(
+            self._weightsync_group, key, copies, max_bytes=max_bytes
+        )
+        return self._weightsync_outcome()
+
+    def weightsync_staged(self, timeout_s: float) -> dict:
+        """Wait for the staged stream's END (checked), then check that this engine loads every
+        staged tensor (`check_loadable`); the value is how many buckets it held. A stage that
+        failed is dropped and its error returned: nothing was loaded."""
+        stage = self._weightsync_stage
+        if stage is None:
+            return self._weightsync_outcome(RuntimeError("nothing is staged"))
+        try:
+            pairs = stage.wait(float(timeout_s))
+            check_loadable(pairs, self._weightsync_known_facts().weights)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            self._weightsync_drop_stage()
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome(value=stage.buckets)
+
+    def weightsync_commit_staged(self) -> dict:
+        """Load the staged stream (checked whole by `weightsync_staged`) and let it go."""
+        stage = self._weightsync_stage
+        if stage is None:
+            return self._weightsync_outcome(RuntimeError("nothing is staged"))
+        try:
+            pairs = stage.wait(0.0)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            self._weightsync_drop_stage()
+            return self._weightsync_outcome(e)
+        outcome = model_ops.reload(self, iter(pairs))
+        copies = self._weightsync_copies if self._weightsync_stage_delta else None
+        if copies is not None and outcome.ok:
+            copies.commit(self._weightsync_stage_delta, stage.buckets)
+            self._weightsync_stage_delta = ""
+        self._weightsync_drop_stage()
+        return outcome.to_json()
+
+    def weightsync_drop_staged(self) -> dict:
+        """Drop what is staged, uncommitted (the trainer's sync failed before its commit)."""
+        self._weightsync_drop_stage()
+        return self._weightsync_outcome()
+
+    def _weightsync_drop_stage(self) -> None:
+        if self._weightsync_stage is not None:
+            self._weightsync_stage.drop()
+            self._weightsync_stage = None
+        if self._weightsync_stage_delta and self._weightsync_copies is not None:
+            self._weightsync_copies.clear()  # patched by an uncommitted stream: the next is full
+        self._weightsync_stage_delta = ""
+
     def weightsync_delta_state(self, backend: bool = False) -> dict:
         """The id of the sync this worker's kept copies come from (``wire.delta``); None when
         it keeps none (never sent deltas, restarted, or its last sync failed). ``backend``:
@@ -251,6 +322,26 @@ class WeightsyncWorker:
             return self._weightsync_outcome(value=model_ops.abandon(self))
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
+
+
+def check_loadable(pairs: list[tuple[str, Any]], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a staged stream with a tensor this engine does not load, or of another shape:
+    vLLM's reload would fail on it part-way, after the layers before it were written.
+
+    Raises:
+        WeightMismatchError: naming the first such tensor.
+    """
+    for name, tensor in pairs:
+        shape = expected.get(name)
+        if shape is None:
+            raise WeightMismatchError(
+                f"{name!r} is not a weight this engine loads: nothing of the stream was loaded"
+            )
+        if tuple(tensor.shape) != tuple(shape):
+            raise WeightMismatchError(
+                f"{name!r} has shape {tuple(tensor.shape)}, the engine loads {tuple(shape)}: "
+                "nothing of the stream was loaded"
+            )
 
 
 # vLLM builds its weight-transfer backend in every worker, by name, before the first load: the

@@ -4,6 +4,7 @@ the transport for an engine on another host, and the one that can send deltas.""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -13,7 +14,18 @@ import torch
 from ....plan import Bucket
 from ....wire import gloo
 from ....wire.delta import WireCount
-from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, sent_copies, signer_for
+from .base import (
+    Rpc,
+    Staged,
+    Transport,
+    drop_kept_copies,
+    proof_args,
+    send_timed,
+    sent_copies,
+    signer_for,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class GlooTransport(Transport):
@@ -32,6 +44,14 @@ class GlooTransport(Transport):
             percent of the bytes. Costs one copy of the weights kept here and one in each of
             the engine's workers between syncs, and a compare pass per bucket; needs
             ``tagged``. Off by default: the memory is the user's to give.
+        stage: receive the whole stream before loading any of it (`prepare`): the engine keeps
+            generating while the bytes travel, and a sync that fails or whose trainer dies
+            part-way leaves it untouched. Costs each worker the synced bytes in host memory
+            (every worker receives every bucket, TP ranks included) from the first bucket to the
+            commit. False: the workers load each bucket as it comes, inside the engine's pause,
+            and a failure part-way leaves a mix of old and new layers.
+        max_stage_bytes: the most a worker may stage (None: no bound); a larger sync is
+            refused with nothing loaded.
 
     The rendezvous listens on ``host`` only, under a secret the workers get over the control
     channel (``wire.gloo``). A server's workers hold one gloo group: one gloo engine per server
@@ -52,10 +72,14 @@ class GlooTransport(Transport):
         *,
         tagged: bool = True,
         delta: bool = False,
+        stage: bool = True,
+        max_stage_bytes: int | None = None,
     ) -> None:
         self._copies = sent_copies(delta, tagged, "GlooTransport")
         self.link = gloo.Link(host, port, timeout_s)
         self.tagged = tagged
+        self.stage = stage
+        self.max_stage_bytes = max_stage_bytes
         self._rpc: Rpc | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
 
@@ -106,6 +130,50 @@ class GlooTransport(Transport):
             copies.reset()
             raise
         copies.commit()
+
+    def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
+        """Broadcast every bucket to the workers' stages (``gloo.Staging``) while the engine
+        serves and wait until every worker checked the whole stream; the apply is one call,
+        each worker's load of what it staged. Any failure here (a refused frame, the trainer's
+        own error, a dead trainer, a stage too large) leaves the engine untouched and never
+        paused."""
+        if not self.stage:
+            return super().prepare(rpc, buckets)
+        if self.link.group is None:
+            raise RuntimeError("GlooTransport.prepare before connect")
+        signer = signer_for(self.tagged)
+        copies = self._copies
+        kwargs = proof_args(signer) | {"max_bytes": self.max_stage_bytes}
+        if copies is not None:  # deltas only onto the copies the last successful sync left
+            reported = [o.value for o in rpc("weightsync_delta_state", {})]
+            kwargs["delta"] = copies.begin(reported)
+        send_one = send_timed if copies is None else partial(send_timed, copies=copies)
+        committed: list[bool] = []
+
+        def apply() -> None:
+            rpc("weightsync_commit_staged", {})
+            committed.append(True)
+            if copies is not None:
+                copies.commit()
+
+        def drop() -> None:  # unless committed: the workers free their stage, copies in doubt
+            if committed:
+                return
+            if copies is not None:
+                copies.reset()
+            try:
+                rpc("weightsync_drop_staged", {})
+            except Exception:
+                logger.warning("weightsync: weightsync_drop_staged failed", exc_info=True)
+
+        try:
+            rpc("weightsync_stage_gloo", kwargs)
+            gloo.send(self.link.group, buckets, None, send_one, signer)
+            rpc("weightsync_staged", {"timeout_s": self.link.timeout_s})
+        except BaseException:
+            drop()
+            raise
+        return Staged(apply, drop)
 
     def put_adapter(
         self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
