@@ -78,8 +78,8 @@ class EngineContract(ABC):
     name: ClassVar[str]
 
     #: The engine may load while another engine of this process loads. False for engines that
-    #: load one at a time (in-process vLLM engines share modules): `Replicas` then buffers the
-    #: stream for them instead of waiting on them.
+    #: load one at a time (in-process vLLM engines share modules): `Replicas` then commits them
+    #: one after the other.
     loads_concurrently: ClassVar[bool] = True
 
     @classmethod

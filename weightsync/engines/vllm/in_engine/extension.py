@@ -36,7 +36,7 @@ from ....wire import format as fmt
 from ....wire import gloo, scratch
 from ....wire.delta import LoadedCopies
 from ....wire.files import MappedFiles, check_files
-from ....wire.protocol import EngineFacts, Outcome
+from ....wire.protocol import RELOAD_REPORT, EngineFacts, Outcome
 from . import backend, ledger, model_ops
 from . import checkpoint as ckpt
 
@@ -252,12 +252,16 @@ class WeightsyncWorker:
             self._weightsync_adapter_root = None
         return self._weightsync_outcome()
 
-    def weightsync_abandon(self) -> dict:
+    def weightsync_abandon(self, fence: bool = True) -> dict:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
         back. Safe to call when nothing is pending; the value says whether anything was, and
-        which layers it had finished (``wire.protocol.RELOAD_REPORT``)."""
+        which layers it had finished (``wire.protocol.RELOAD_REPORT``, which fences a server
+        when any were). ``fence=False``: the same facts outside that report, for a caller that
+        rewrites every weight next inside the same pause (an update a dead trainer left open,
+        closed by the next trainer's), so the mix is never served."""
         try:
-            return self._weightsync_outcome(value=model_ops.abandon(self))
+            report = model_ops.abandon(self)
+            return self._weightsync_outcome(value=report if fence else report[RELOAD_REPORT])
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
 
