@@ -140,6 +140,7 @@ class PauseLease:
         #: Why generation is refused (the server holds a mix); None: it serves.
         self.fence: str | None = None
         self._fences = 0  # fences raised so far: a request admitted before one is refused
+        self._reason = ""  # the last fence's reason (it may be lifted before such a request ends)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -148,7 +149,7 @@ class PauseLease:
         path = scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
         if generates(path):  # they neither hold nor renew a lease; a fence refuses them
             if self.fence is not None:
-                await self._refuse_fenced(send)
+                await self._refuse_fenced(send, self.fence)
                 return
             await self.app(scope, receive, self._fenced_midway(send))
             return
@@ -236,6 +237,7 @@ class PauseLease:
                 "ReloadWeights) completes."
             )
             self._fences += 1
+            self._reason = self.fence
             logger.error("%s", self.fence)
         elif self.fence is not None and all(
             not error and report.get("complete") for error, report in reports
@@ -243,15 +245,15 @@ class PauseLease:
             self.fence = None
             logger.warning("weightsync: a full weight sync completed; the fence is lifted")
 
-    async def _refuse_fenced(self, send: Send) -> None:
-        assert self.fence is not None
-        await answer_error(send, 503, self.fence, ((FENCED_HEADER.encode(), b"1"),))
+    @staticmethod
+    async def _refuse_fenced(send: Send, reason: str) -> None:
+        await answer_error(send, 503, reason, ((FENCED_HEADER.encode(), b"1"),))
 
     def _fenced_midway(self, send: Send) -> Send:
         """``send`` of a request admitted while the server served whole weights: if a fence
-        comes before its answer starts, the answer is the fence's 503; if it comes while the
-        answer streams, the stream ends with the fence's error. The app's later messages are
-        dropped (the client has its answer)."""
+        comes before its answer starts (lifted since or not: the request ran on the mix), the
+        answer is the fence's 503; if it comes while the answer streams, the stream ends with
+        the fence's error. The app's later messages are dropped (the client has its answer)."""
         admitted = self._fences
         state = {"started": False, "cut": False, "stream": False}
 
@@ -262,7 +264,7 @@ class PauseLease:
             if message["type"] == "http.response.start":
                 if fenced:
                     state["cut"] = True
-                    await self._refuse_fenced(send)
+                    await self._refuse_fenced(send, self._reason)
                     return
                 state["started"] = True
                 state["stream"] = any(
@@ -271,7 +273,7 @@ class PauseLease:
                 )
             elif message["type"] == "http.response.body" and fenced and state["started"]:
                 state["cut"] = True
-                error = json.dumps({"error": {"message": self.fence, "code": 503}})
+                error = json.dumps({"error": {"message": self._reason, "code": 503}})
                 last = f"data: {error}\n\n" if state["stream"] else error
                 await send(
                     {"type": "http.response.body", "body": last.encode(), "more_body": False}
