@@ -42,7 +42,8 @@ class Replicas(Engine):
     bytes, shared by all such replicas), loaded at the commit. Only when every replica staged
     does any commit. If producing or any stage fails, every staged copy is discarded (no file of
     the sync stays in /dev/shm), no replica was paused or written, all serve the version they
-    served, and the cause is raised with a note naming the replica.
+    served, and the cause is raised naming the replica (a weightsync error keeps its class,
+    another becomes a `RuntimeError` with the cause chained).
 
     The commits then run together (one thread per replica; one after the other for replicas
     that load only after another: in-process engines share modules, see
@@ -51,7 +52,8 @@ class Replicas(Engine):
     the version each holds; a replica whose write failed part-way holds a mix, which a
     ``vllm serve`` with weightsync's middleware refuses to serve (HTTP 503) until a full
     restore. Either way every replica's base is then marked unsynced, so the next sync restores
-    all of them fully.
+    all of them fully. Adapter loads (`load_adapter`) and checkpoint reloads
+    (`reload_checkpoint`) are not staged: they still run replica after replica.
 
     Args:
         engines: the replicas (any `Engine`, or raw engines that
