@@ -26,12 +26,13 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``policy.choose`` + ``strategy.sync`` (the caller tracking ``base_sync_done`` and the sleep
   level as a framework does), a ``Replicas`` target, and ``weightsync.distributed.sync`` (with a
   Syncer or a strategy) in a one-process gloo group;
-- faults in a sync of the multiprocess and server engines (issue 31): the trainer failing
-  part-way through its buckets (re-cut one tensor a bucket, so "part-way" is mid-stream), a
-  gloo frame corrupted on the way, a tmpfs file rewritten before the load. The sync must raise
-  and every engine still generate exactly what it generated before (old weights whole, never a
-  mix); the walk goes on and the next sync must be exact. (A trainer SIGKILLed mid-sync needs a
-  process of its own: ``tests/test_pause_lease_vllm.py``.)
+- faults in a sync of the multiprocess and server engines, and of one replica of the replica
+  target (issue 31): the trainer failing part-way through its buckets (re-cut one tensor a
+  bucket, so "part-way" is mid-stream), a gloo frame corrupted on the way, a tmpfs file
+  rewritten before the load. The sync must raise and every engine still generate exactly what
+  it generated before (old weights whole, never a mix, every replica on one version); the walk
+  goes on and the next sync must be exact. (A trainer SIGKILLed mid-sync needs a process of its
+  own: ``tests/test_pause_lease_vllm.py``.)
 
 Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
@@ -646,12 +647,20 @@ class Walk:
         """Now and then (its own generator), a fault in this sync's transport: which, and a
         list that fills when it fired (a sync that sends no base buckets -- an adapter alone,
         everything skipped -- never reaches it)."""
-        if not self.faults or self.target not in ("multiproc", "server"):
+        if not self.faults or self.target == "inproc":  # in process: nothing is staged
             return None
         if self.fault_rng.random() >= 0.3:
             return None
-        transport = self.engine.transport
-        kind = self.fault_rng.choice(["trainer", "forged"])
+        victim = self.fault_rng.choice(self.phys)  # of Replicas: one replica's transport
+        engine = victim.adapter
+        transport = engine.transport
+        kinds = ["trainer", "forged"]
+        if self.target == "replicas" and transport.name != "gloo":
+            # a tmpfs file is checked at its load, in the commit: one replica refusing there
+            # after the other committed is a split the sync reports (ReplicasSplitError),
+            # tested in tests/test_commit_vllm.py, not a fault that leaves every engine as it was
+            kinds = ["trainer"]
+        kind = self.fault_rng.choice(kinds)
         at = self.fault_rng.randrange(8)  # which tensor of the stream
         fired: list[int] = []
         prepare = transport.prepare
@@ -679,7 +688,6 @@ class Walk:
             stack.callback(setattr, gloo, "broadcast", send)
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
         elif kind == "forged":  # tmpfs: a file rewritten between the trainer's write and the load
-            engine = self.engine
             forward = engine.rpc
 
             def rewrite_then_forward(method, kwargs=None, *a, **k):
@@ -700,7 +708,7 @@ class Walk:
         else:
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
         stack.callback(delattr, transport, "prepare")
-        self.log(f"       (fault armed: {kind} at tensor {at} of the stream)")
+        self.log(f"       (fault armed: {kind} at tensor {at} of {victim.name}'s stream)")
         return f"{kind}@{at}", fired
 
     def faulted(self, fault: str, error: BaseException, before: dict) -> None:

@@ -44,6 +44,7 @@ from weightsync.errors import (
     BaseDiscardedError,
     EngineAsleepError,
     EngineBrokenError,
+    EngineFencedError,
     WeightMismatchError,
 )
 from weightsync.wire import format as fmt
@@ -355,7 +356,10 @@ def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transp
         T.assert_matches(old, engine, atol=ATOL)
         assert not engine.base_discarded
     else:
-        engine.greedy_batch(T.PROMPTS, 4)  # still serving (a mix of old and new layers)
+        # The embeddings and layer 0's attention took their new weights, the rest kept the old:
+        # the server refuses to generate from that mix, for every client (server_lease.py).
+        with pytest.raises(EngineFencedError, match="mix of old and new layers"):
+            engine.greedy_batch(T.PROMPTS, 4)
         assert engine.base_discarded, "a failed write must mark the base unsynced"
         with pytest.raises(BaseDiscardedError):
             AdapterSync().sync(lora_model(ARCH[tp], seed=42), engine)

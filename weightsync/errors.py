@@ -132,6 +132,20 @@ class PauseExpiredError(WeightSyncError, RuntimeError):
     trainer is that slow on purpose."""
 
 
+class ReplicasSplitError(WeightSyncError, RuntimeError):
+    """A sync over `weightsync.engines.Replicas` committed on some replicas and failed on
+    others (every replica had staged it; a commit failed while applying): the replicas no
+    longer serve one version. The message names what each holds. Raised after something was
+    written; every replica is marked unsynced, so the next sync restores all of them."""
+
+
+class EngineFencedError(WeightSyncError, RuntimeError):
+    """A ``vllm serve`` server refused to generate (HTTP 503): a weightsync write into it failed
+    part-way and left a mix of old and new layers, so its middleware
+    (``engines/vllm/server_lease.py``) refuses generation until a full sync (FullSync, or
+    ReloadWeights) completes. The message carries the server's reason."""
+
+
 class StaleRolloutError(WeightSyncError, RuntimeError):
     """A rollout batch's sampled-token logprobs are further from the trainer's than the engine's
     tolerance allows (`weightsync.alarm`): the engine generated from other weights than the

@@ -4,7 +4,8 @@ A strategy decides what a sync writes (`weightsync.plan.Plan`); `execute` writes
 the same way for every strategy, after checking again that the engine may be written (it may
 have slept, or been written by someone else, since the plan was made). If a write fails part-way
 the engine holds a mix of old and new weights: it is marked lost (only a full restore may
-follow) and the error propagates.
+follow) and the error propagates; a ``vllm serve`` with weightsync's middleware refuses to
+generate from the mix meanwhile (``engines/vllm/server_lease.py``).
 """
 
 from __future__ import annotations

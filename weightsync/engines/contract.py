@@ -15,7 +15,7 @@ subclasses. docs/engine-contract.md walks through a minimal adapter.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -24,7 +24,27 @@ import torch
 from ..plan import Adapter, Bucket
 from ..wire.protocol import EngineFacts
 
-__all__ = ["Attestation", "EngineContract", "EngineFacts"]
+__all__ = ["Attestation", "EngineContract", "EngineFacts", "Staged"]
+
+
+class Staged:
+    """A write staged on an engine while it serves, not yet applied.
+
+    `apply` commits it (once; for an engine, inside its pause) and returns the engine calls it
+    made; `drop` releases what is staged and is always called, applied or not; `discard`
+    releases it when it will never be applied (another replica of a fan-out failed to stage:
+    nothing of this sync may stay behind), `drop` by default.
+    """
+
+    def __init__(
+        self,
+        apply: Callable[[], int | None],
+        drop: Callable[[], None] = lambda: None,
+        discard: Callable[[], None] | None = None,
+    ) -> None:
+        self.apply = apply
+        self.drop = drop
+        self.discard = discard or drop
 
 
 @dataclass(frozen=True)
@@ -58,8 +78,8 @@ class EngineContract(ABC):
     name: ClassVar[str]
 
     #: The engine may load while another engine of this process loads. False for engines that
-    #: load one at a time (in-process vLLM engines share modules): `Replicas` then buffers the
-    #: stream for them instead of waiting on them.
+    #: load one at a time (in-process vLLM engines share modules): `Replicas` then commits them
+    #: one after the other.
     loads_concurrently: ClassVar[bool] = True
 
     @classmethod
@@ -149,8 +169,27 @@ class EngineContract(ABC):
 
         ``buckets`` is consumed lazily, in order. If it raises part-way, the error propagates
         and the engine holds a mix of old and new weights: the caller must treat the base as
-        unsynced. Returns the number of engine calls made.
+        unsynced (a ``vllm serve`` with weightsync's middleware refuses to generate from it). Returns the number of engine calls made.
         """
+
+    @property
+    def stages_weights(self) -> bool:
+        """`stage_weights` puts the bytes on the engine's side while it serves (a ``vllm serve``
+        or multiprocess engine over tmpfs: files written and tagged). False: the engine has
+        nowhere to stage them, and `stage_weights` holds the stream in this process."""
+        return False
+
+    def stage_weights(self, buckets: Iterable[Bucket]) -> Staged:
+        """Stage ``buckets`` (consumed here, in order) while the engine keeps serving; nothing is
+        applied until the returned `Staged` is. A failure here leaves the engine untouched.
+
+        `weightsync.engines.Replicas` stages on every replica before it commits any, so one
+        replica's failed stage commits none. This default, for an engine that cannot stage
+        (`stages_weights` False: an in-process engine, a stream transport), holds the produced
+        buckets in this process (one copy of the synced bytes, where the trainer produced them)
+        and loads them at commit."""
+        held = list(buckets)
+        return Staged(lambda: self.load_weights(held))
 
     @abstractmethod
     def check_adapter(self, adapter: Adapter) -> None:

@@ -8,13 +8,19 @@ from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import WeightSyncError
+from ..errors import ReplicasSplitError, WeightSyncError, untouched
 from ..plan import Adapter, Bucket
 from .base import CHECKPOINT, Attestation, Engine, EngineFacts, adapt
+from .contract import Staged
 
 
 class _Abort(Exception):
     """Raised inside a replica's bucket stream when the fan-out stops part-way."""
+
+
+def _held(engine: Engine, buckets: list[Bucket]) -> Staged:
+    """The stage of a replica that cannot stage: the buckets held in this process."""
+    return Staged(lambda: engine.load_weights(buckets))
 
 
 def _joined(versions: Iterable[str | None]) -> str | None:
@@ -28,11 +34,27 @@ class Replicas(Engine):
     Every check a strategy makes (names, shapes, adapter rank and modules, sleep state) runs
     against every replica before anything is written, because this engine's facts are the
     replicas' common facts and `check_adapter` / `check_writable` ask each one.
-    Each bucket is produced (merged, cast) once and handed to every replica: one thread per
-    replica consumes it, at most two buckets in flight (the whole stream, for a replica that loads
-    only after another: in-process engines share modules, see `Engine.loads_concurrently`). If producing fails, or any replica fails,
-    the others are stopped part-way and recover as on any failed write (their base is marked
-    unsynced), and the first error is raised.
+    A sync commits on all replicas or on none. Each bucket is produced (merged, cast) once
+    and handed to every replica, which *stages* it while it keeps serving (`Engine.stage_weights`:
+    over tmpfs every file written and tagged, over gloo every frame received by the workers'
+    stages; one thread per replica, at most two buckets in flight each); a replica that cannot
+    stage (an in-process engine, a streaming transport: ``GlooTransport(stage=False)``, the
+    weight-transfer API) gets the stream held in this process instead (one copy of the synced
+    bytes, shared by all such replicas), loaded at the commit. Only when every replica staged
+    does any commit. If producing or any stage fails, every staged copy is discarded (no file of
+    the sync stays in /dev/shm), no replica was paused or written, all serve the version they
+    served, and the cause is raised naming the replica (a weightsync error keeps its class,
+    another becomes a `RuntimeError` with the cause chained).
+
+    The commits then run together (one thread per replica; one after the other for replicas
+    that load only after another: in-process engines share modules, see
+    `Engine.loads_concurrently`). A commit can still fail (a worker error while applying, a
+    server gone): if some replicas committed and others did not, `ReplicasSplitError` names
+    the version each holds; a replica whose write failed part-way holds a mix, which a
+    ``vllm serve`` with weightsync's middleware refuses to serve (HTTP 503) until a full
+    restore. Either way every replica's base is then marked unsynced, so the next sync restores
+    all of them fully. Adapter loads (`load_adapter`) and checkpoint reloads
+    (`reload_checkpoint`) are not staged: they still run replica after replica.
 
     Args:
         engines: the replicas (any `Engine`, or raw engines that
@@ -74,12 +96,29 @@ class Replicas(Engine):
         )
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
-        # At most two buckets in flight per replica; a replica that loads only after another
-        # has (loads_concurrently False) gets the stream buffered, or the fan-out would wait on
-        # it while the other waits for the next bucket.
-        queues: list[queue.Queue] = [
-            queue.Queue(maxsize=1 if e.loads_concurrently else 0) for e in self.engines
-        ]
+        """Stage on every replica, then commit on every replica (see the class docstring). A
+        failed stage is raised marked `errors.untouched`: no replica was paused or written."""
+        try:
+            staged = self._stage(buckets)
+        except BaseException as error:
+            untouched(error)
+            raise
+        try:
+            return self._commit(staged)
+        finally:
+            for each in staged:
+                each.drop()
+
+    def _stage(self, buckets: Iterable[Bucket]) -> list[Staged]:
+        """Every replica's `Engine.stage_weights`, the stream fanned out to them (a replica
+        that cannot stage gets the buckets held here, once for all such replicas). If
+        producing or any stage fails, every stage that succeeded is discarded and the error
+        raised: nothing was applied anywhere."""
+        staging = [i for i, e in enumerate(self.engines) if e.stages_weights]
+        stagers = [self.engines[i] for i in staging]
+        held: list[Bucket] | None = None if len(stagers) == len(self.engines) else []
+        # At most two buckets in flight per staging replica.
+        queues: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in stagers]
         done = object()
 
         def stream(q: queue.Queue) -> Iterable[Bucket]:
@@ -88,10 +127,12 @@ class Replicas(Engine):
                     raise item
                 yield item
 
-        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="weightsync-replica") as pool:
+        with ThreadPoolExecutor(
+            max(1, len(stagers)), thread_name_prefix="weightsync-replica"
+        ) as pool:
             futures = [
-                pool.submit(e.load_weights, stream(q))
-                for e, q in zip(self.engines, queues, strict=True)
+                pool.submit(e.stage_weights, stream(q))
+                for e, q in zip(stagers, queues, strict=True)
             ]
 
             def put(item: Any) -> None:
@@ -103,20 +144,106 @@ class Replicas(Engine):
                         except queue.Full:
                             continue
 
+            produced: BaseException | None = None
             try:
                 for bucket in buckets:
-                    if any(f.done() for f in futures):  # a replica failed part-way: stop all
+                    if any(f.done() for f in futures):  # a stage failed part-way: stop all
                         break
                     put(bucket)
-            except BaseException as error:
+                    if held is not None:
+                        held.append(bucket)
+            except BaseException as error:  # noqa: BLE001 (raised below, after the discards)
+                produced = error
                 put(_Abort(f"the fan-out stopped: producing a bucket failed ({error})"))
-                raise
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            put(_Abort("another replica failed") if failed else done)
-            errors = [e for e in (f.exception() for f in futures) if e is not None]
-        if errors:  # the cause, not a replica the fan-out stopped because of it
-            raise min(errors, key=lambda e: isinstance(e, _Abort))
-        return sum(f.result() for f in futures)
+            stopped = produced is not None or any(
+                f.done() and f.exception() is not None for f in futures
+            )
+            put(_Abort("another replica failed to stage") if stopped else done)
+        ready = [f.result() for f in futures if f.exception() is None]
+        if produced is not None or len(ready) < len(futures):  # one may fail on the last bucket
+            for each in ready:
+                each.discard()
+            errors = [(i, f.exception()) for i, f in zip(staging, futures, strict=True)]
+            causes = [(i, e) for i, e in errors if e is not None and not isinstance(e, _Abort)]
+            if produced is not None:
+                raise produced
+            index, cause = causes[0]
+            assert cause is not None
+            said = (
+                f"replica {index} failed to stage this sync ({type(cause).__name__}: {cause}); "
+                "no replica committed it (every staged copy was dropped): all serve what they "
+                "served before"
+            )
+            if isinstance(cause, WeightSyncError):
+                raise type(cause)(said) from cause
+            if isinstance(cause, Exception):
+                raise RuntimeError(said) from cause
+            raise cause
+        by_engine = dict(zip(map(id, stagers), ready, strict=True))
+        return [
+            by_engine[id(e)] if id(e) in by_engine else _held(e, held or []) for e in self.engines
+        ]
+
+    def _commit(self, staged: list[Staged]) -> int:
+        """Apply every replica's stage: together (one thread each) where replicas load
+        concurrently, one after the other where they do not. If any fails, the error names
+        which replicas committed and what each holds now (`ReplicasSplitError`)."""
+        results: list[int | None] = [None] * len(staged)
+        errors: list[BaseException | None] = [None] * len(staged)
+
+        def apply(i: int) -> None:
+            try:
+                results[i] = staged[i].apply() or 0
+            except BaseException as error:  # noqa: BLE001 (collected, raised below)
+                errors[i] = error
+
+        together = [i for i, e in enumerate(self.engines) if e.loads_concurrently]
+        with ThreadPoolExecutor(
+            max(1, len(together)), thread_name_prefix="weightsync-replica"
+        ) as pool:
+            running = [pool.submit(apply, i) for i in together]
+            for i, e in enumerate(self.engines):
+                if not e.loads_concurrently:
+                    apply(i)
+            for f in running:
+                f.result()
+        failed = [i for i, error in enumerate(errors) if error is not None]
+        if not failed:
+            return sum(r or 0 for r in results)
+        first = errors[failed[0]]
+        assert first is not None
+        self.mark_lost()  # as execute would: a caller of load_weights itself learns it too
+        if len(failed) == len(staged):
+            raise first
+        raise ReplicasSplitError(self._split(failed, errors)) from first
+
+    def _split(self, failed: list[int], errors: list[BaseException | None]) -> str:
+        """What each replica holds after a commit that failed on ``failed`` only."""
+        committed = [i for i in range(len(self.engines)) if i not in failed]
+
+        def version(i: int) -> str:
+            try:
+                return repr(self.engines[i].weights_version)
+            except Exception as error:  # noqa: BLE001 (a replica gone says so)
+                return f"unknown ({type(error).__name__}: {error})"
+
+        lines = [
+            f"replica {i}: committed, serves the new weights (version {version(i)})"
+            for i in committed
+        ] + [
+            f"replica {i}: its commit failed ({type(errors[i]).__name__}: {errors[i]}); it "
+            f"holds its old weights, or a mix of old and new layers if its write failed "
+            f"part-way (version {version(i)})"
+            for i in failed
+        ]
+        return (
+            f"Replicas: the commit failed on replica(s) {failed} after replica(s) {committed} "
+            "committed, so the replicas no longer serve one version: "
+            + "; ".join(lines)
+            + ". A vllm serve server with weightsync's middleware refuses generation (HTTP 503) "
+            "while it holds a mix. Every replica is marked lost: the next sync restores all of "
+            "them fully (Syncer does it by itself)."
+        )
 
     def check_adapter(self, adapter: Adapter) -> None:
         for e in self.engines:

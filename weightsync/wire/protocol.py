@@ -175,6 +175,13 @@ class EngineFacts:
         )
 
 
+#: The key of a worker's report of what a weight write did (`Outcome.value` of weightsync's
+#: reloads and of ``weightsync_abandon``): ``{"written": [layer, ...]}`` after a failure (the
+#: layers it had finished, which keep their new weights: a mix when not empty),
+#: ``{"complete": bool}`` after a success (every weight of the engine loaded: a full restore).
+#: A server's middleware reads it from ``/collective_rpc`` answers (``server_lease.py``).
+RELOAD_REPORT = "weightsync_reload"
+
 #: Marks an RPC result as an `Outcome` (vLLM hands back whatever a worker method returns).
 _KIND = "weightsync.outcome"
 

@@ -18,10 +18,17 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ...errors import AdapterError, AuthError, EngineUnavailableError, PauseExpiredError
+from ...errors import (
+    AdapterError,
+    AuthError,
+    EngineFencedError,
+    EngineUnavailableError,
+    PauseExpiredError,
+)
 from ...wire.protocol import LoraLimits
 from ..base import Attestation
 from .server_auth import HEADER as TOKEN_HEADER
+from .server_lease import FENCED_HEADER
 from .server_lease import HEADER as LEASE_HEADER
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
@@ -387,6 +394,8 @@ class HTTPControl(Control):
         Raises:
             PauseExpiredError: the server's pause lease ran out before this call of the pause
                 came (``server_lease.py``); the call was not run.
+            EngineFencedError: the server refuses to generate: a weightsync write failed
+                part-way and left a mix of old and new layers (``server_lease.py``).
             EngineUnavailableError: the server refuses the connection, resets it twice, or does
                 not answer within ``timeout_s`` (a server that is gone, restarting, or hung).
             RuntimeError: the server answered with an HTTP error.
@@ -434,6 +443,11 @@ class HTTPControl(Control):
             raise PauseExpiredError(
                 f"the vLLM server at {self.base_url} did not run {method} {path}: "
                 f"{r.json().get('error', r.text[:500])}"
+            )
+        if r.status_code == 503 and r.headers.get(FENCED_HEADER):
+            raise EngineFencedError(
+                f"the vLLM server at {self.base_url} refused {method} {path}: "
+                f"{r.json().get('error', r.text[:2000])}"
             )
         if r.status_code >= 400:
             self._session = self._new_session()

@@ -12,11 +12,15 @@ Every write: stage what the transport can stage while the engine serves (tmpfs: 
 file, written and tagged), then pause (in-flight requests are kept, not dropped), apply, reset
 the prefix cache, resume; the pause window is reported (`SyncReport.pause_seconds`). A server
 started with weightsync's pause lease (``server_lease.py``) ends a pause nobody completes by
-itself, so a trainer killed inside it does not leave the server stuck. If the write fails part-way the workers have already restored their unfinished layers,
-so the engine serves a mix of old and new weights: it is resumed, the base is marked lost (only
-a full restore may follow) and the error is raised. If even that recovery fails the engine is
-left paused -- never resume a broken engine -- and `EngineBrokenError` says so; an engine that
-no longer answers at all (a dead Ray actor or engine core) raises `EngineUnavailableError`.
+itself, so a trainer killed inside it does not leave the server stuck. If the write fails
+part-way the workers have already restored their unfinished layers, but the layers they had
+finished keep their new weights: a mix. They report those layers, and a server with that
+middleware then refuses to generate (HTTP 503, for every client; `EngineFencedError` here) until
+a full sync completes; a server without it, and a multiprocess ``LLM``, serve the mix. The engine
+is resumed, the base is marked lost (only a full restore may follow) and the error is raised.
+If even that recovery fails the engine is left paused -- never resume a broken engine -- and
+`EngineBrokenError` says so; an engine that no longer answers at all (a dead Ray actor or
+engine core) raises `EngineUnavailableError`.
 
 The engine's facts (`EngineFacts`) come from the worker extension, read from the model vLLM
 built, not from the caller; a server without the extension is a `StockServerEngine`
@@ -52,6 +56,7 @@ from ...wire.protocol import EngineFacts, Outcome, raise_failures
 from ...wire.scratch import private_dir, scratch_dir
 from ...wire.tags import Signer
 from ..base import Attestation, Engine, register
+from ..contract import Staged
 from .control import (
     UNKNOWN_BASE,
     WORKER_EXTENSION,
@@ -273,19 +278,34 @@ class RemoteVLLMEngine(Engine):
         self.rpc("weightsync_abandon")
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
-        """Stage ``buckets`` (`Transport.prepare`) while the engine serves, then apply them in
-        one `_paused_write`: a failure while staging leaves the engine untouched (and says so:
-        `errors.untouched`)."""
+        """Stage ``buckets`` (`stage_weights`) while the engine serves, then apply them in
+        one `_paused_write`: a failure while staging leaves the engine untouched."""
+        staged = self.stage_weights(buckets)
+        try:
+            return staged.apply() or 0
+        finally:
+            staged.drop()
+
+    @property
+    def stages_weights(self) -> bool:
+        """Whether the transport stages (`Transport.stages`: tmpfs does, a stream does not)."""
+        return self.transport.stages
+
+    def stage_weights(self, buckets: Iterable[Bucket]) -> Staged:
+        """`Transport.prepare` now, while the engine serves (a failure here leaves the engine
+        untouched, and says so: `errors.untouched`); the returned apply applies what was staged
+        and unloads the served adapter in one `_paused_write` (`_base_written`)."""
         try:
             staged = self.transport.prepare(self.rpc, buckets)
         except BaseException as error:
             errors.untouched(error)
             raise
-        try:
+
+        def commit() -> int:
             self._paused_write("load_weights", lambda: self._base_written(staged.apply))
-        finally:
-            staged.drop()
-        return 1
+            return 1
+
+        return Staged(commit, staged.drop, staged.discard)
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         reload = partial(self.rpc, "weightsync_reload_checkpoint", {"path": path or ""})

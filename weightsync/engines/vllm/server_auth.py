@@ -107,13 +107,15 @@ class RequireToken:
         return len(given) == 1 and hmac.compare_digest(given[0], self._token)
 
 
-async def answer_error(send: Send, status: int, message: str) -> None:
+async def answer_error(
+    send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     """Answer an HTTP request with ``status`` and ``{"error": message}`` (JSON)."""
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [(b"content-type", b"application/json"), *headers],
         }
     )
     await send({"type": "http.response.body", "body": json.dumps({"error": message}).encode()})

@@ -28,12 +28,32 @@ the trainer sends it with every call of that pause, and a call carrying an expir
 answered 409 with the reason, never run -- a trainer that was only slow does not write into a
 server that resumed without it.
 
+The fence. A weight write that fails part-way (a worker error while applying, a bucket refused
+mid-stream, a gloo stream cut) leaves the layers vLLM's layerwise reload had finished with their
+new weights and the rest with their old: a mix, which generates plausible but wrong tokens.
+The workers report it: every weightsync reload's outcome, and ``weightsync_abandon``'s, carries
+the layers it had finished (``wire.protocol.RELOAD_REPORT``). This middleware reads that report
+in every ``/collective_rpc`` answer (the trainer's call, or the abandon of an expired lease) and,
+when a failed write had finished any layer, *fences* the server: every route that answers from
+the weights (`GENERATING`: completions, chat, embeddings, scores, ...) is answered 503 with a
+JSON error saying why (header ``X-Weightsync-Fenced``), for every client, and a request already
+admitted when the fence came is refused too (its answer, or the rest of its stream, replaced by
+the error): its tokens may come from the mix. Health and description routes stay open. A
+weightsync write that completes and loaded every weight of the engine (a full restore:
+``FullSync``, ``ReloadWeights``) lifts it. What is not a mix and does not fence: a write refused
+before its first layer finished (a file whose tag does not match, a trainer that failed while
+staging, a stream cut inside the first layer) -- the workers then hold their old weights,
+whole. Not seen: a failure inside vLLM's weight-transfer API backend (``in_engine/backend.py``
+abandons without this report; the trainer still gets the error), and a write not made through
+weightsync (vLLM's own ``reload_weights``): the fence reads weightsync's reports only.
+
 Standard library only: it runs inside vLLM's API server process, which imports it by name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -54,11 +74,49 @@ DEFAULT_LEASE_S = 10.0
 HEADER = "x-weightsync-lease"
 
 
+#: The header of a fenced server's 503 answers (the trainer tells them from other 503s by it).
+FENCED_HEADER = "x-weightsync-fenced"
+
+#: Routes of `OPEN` that describe the server or its tokenizer and read no weights: they stay
+#: open while the server is fenced.
+DESCRIBING = frozenset(
+    {
+        "/health",
+        "/ping",
+        "/ready",
+        "/readyz",
+        "/load",
+        "/version",
+        "/metrics",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+    }
+)
+
+#: Routes that answer from the weights, refused while fenced: those of `OPEN` that do not
+#: describe, and (`generates`) every other ``/v1/`` route but the adapter loads weightsync makes.
+GENERATING = OPEN - DESCRIBING
+
+#: ``wire.protocol.RELOAD_REPORT`` (the workers' report of what a write did), spelt out here:
+#: this module imports nothing of weightsync's trainer side.
+REPORT = "weightsync_reload"
+
+
+def generates(path: str) -> bool:
+    """Whether ``path`` answers from the weights (refused while the server is fenced)."""
+    if path in GENERATING:
+        return True
+    return path.startswith("/v1/") and path not in DESCRIBING and "lora_adapter" not in path
+
+
 logger = logging.getLogger("weightsync.server_lease")
 
 
 class PauseLease:
-    """ASGI middleware: a ``/pause`` that no call follows within the lease is undone.
+    """ASGI middleware: a ``/pause`` that no call follows within the lease is undone, and a
+    server whose weights a failed write left a mix of old and new refuses to generate (the
+    fence; see the module docstring).
 
     Raises:
         ValueError: at server start, when ``WEIGHTSYNC_PAUSE_LEASE_S`` is not a positive number.
@@ -79,13 +137,23 @@ class PauseLease:
         self._inflight = 0  # weightsync calls being served now
         self._last = time.monotonic()  # when the last one ended
         self._watch: asyncio.Task[None] | None = None
+        #: Why generation is refused (the server holds a mix); None: it serves.
+        self.fence: str | None = None
+        self._fences = 0  # fences raised so far: a request admitted before one is refused
+        self._reason = ""  # the last fence's reason (it may be lifted before such a request ends)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
-        if path in OPEN:  # they generate or describe: they neither hold nor renew a lease
+        if generates(path):  # they neither hold nor renew a lease; a fence refuses them
+            if self.fence is not None:
+                await self._refuse_fenced(send, self.fence)
+                return
+            await self.app(scope, receive, self._fenced_midway(send))
+            return
+        if path in OPEN:  # they describe: they neither hold nor renew a lease
             await self.app(scope, receive, send)
             return
         given = _header(scope, HEADER)
@@ -106,9 +174,15 @@ class PauseLease:
         """``send``, noting the answer's status in ``status``, taking the lease when ``/pause``
         succeeds and ending it when ``/resume`` does."""
 
+        body: list[bytes] = []
+
         async def answer(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status.append(int(message.get("status", 0)))
+            if path == "/collective_rpc" and message["type"] == "http.response.body":
+                body.append(bytes(message.get("body", b"")))
+                if not message.get("more_body", False) and status and status[0] == 200:
+                    self._read_reports(b"".join(body))
             if message["type"] == "http.response.start" and message.get("status") == 200:
                 if path == "/pause":
                     self.held = secrets.token_hex(8)
@@ -122,6 +196,94 @@ class PauseLease:
             await send(message)
 
         return answer
+
+    # --- the fence ---------------------------------------------------------------------------
+
+    def _read_reports(self, body: bytes) -> None:
+        """A ``/collective_rpc`` answer's JSON: its workers' write reports, if any."""
+        try:
+            results = json.loads(body).get("results")
+        except (ValueError, AttributeError):
+            return
+        self.note(results)
+
+    def note(self, results: Any) -> None:
+        """Raise the fence when a worker reports a failed write that had finished layers (a
+        mix); lift it when every worker reports a write that loaded every weight."""
+        reports = [
+            (str(r.get("error") or ""), r["value"][REPORT])
+            for r in results or []
+            if isinstance(r, dict)
+            and isinstance(r.get("value"), dict)
+            and isinstance(r["value"].get(REPORT), dict)
+        ]
+        if not reports:
+            return
+        written = sorted(
+            {str(layer) for _, report in reports for layer in report.get("written", [])}
+        )
+        if written:
+            errors = "; ".join(error for error, _ in reports if error) or (
+                "abandoned unfinished: its pause's lease expired, or its trainer gave up"
+            )
+            shown = ", ".join(written[:4]) + (
+                f" and {len(written) - 4} more" if len(written) > 4 else ""
+            )
+            self.fence = (
+                f"weightsync: this server's weights are a mix of old and new layers: a weight "
+                f"write failed part-way at {time.strftime('%H:%M:%S')} ({errors}) after "
+                f"{len(written)} layer(s) took their new weights ({shown}) while the rest kept "
+                "the old. It refuses to generate until a full weight sync (FullSync, or "
+                "ReloadWeights) completes."
+            )
+            self._fences += 1
+            self._reason = self.fence
+            logger.error("%s", self.fence)
+        elif self.fence is not None and all(
+            not error and report.get("complete") for error, report in reports
+        ):
+            self.fence = None
+            logger.warning("weightsync: a full weight sync completed; the fence is lifted")
+
+    @staticmethod
+    async def _refuse_fenced(send: Send, reason: str) -> None:
+        await answer_error(send, 503, reason, ((FENCED_HEADER.encode(), b"1"),))
+
+    def _fenced_midway(self, send: Send) -> Send:
+        """``send`` of a request admitted while the server served whole weights: if a fence
+        comes before its answer starts (lifted since or not: the request ran on the mix), the
+        answer is the fence's 503; if it comes while the answer streams, the stream ends with
+        the fence's error. The app's later messages are dropped (the client has its answer)."""
+        admitted = self._fences
+        state = {"started": False, "cut": False, "stream": False}
+
+        async def answer(message: MutableMapping[str, Any]) -> None:
+            if state["cut"]:
+                return
+            fenced = self._fences != admitted
+            if message["type"] == "http.response.start":
+                if fenced:
+                    state["cut"] = True
+                    await self._refuse_fenced(send, self._reason)
+                    return
+                state["started"] = True
+                state["stream"] = any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                    for k, v in message.get("headers", [])
+                )
+            elif message["type"] == "http.response.body" and fenced and state["started"]:
+                state["cut"] = True
+                error = json.dumps({"error": {"message": self._reason, "code": 503}})
+                last = f"data: {error}\n\n" if state["stream"] else error
+                await send(
+                    {"type": "http.response.body", "body": last.encode(), "more_body": False}
+                )
+                return
+            await send(message)
+
+        return answer
+
+    # --- the lease ---------------------------------------------------------------------------
 
     def _start(self, scope: Scope) -> None:
         if self._watch is None or self._watch.done():
@@ -152,6 +314,7 @@ class PauseLease:
         )
         try:
             results = await engine.collective_rpc("weightsync_abandon")
+            self.note(results)  # a write the pause left unfinished with layers done: a mix
             failed = [
                 r.get("error") for r in results or [] if isinstance(r, dict) and r.get("error")
             ]

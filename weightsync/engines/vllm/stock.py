@@ -80,6 +80,12 @@ class StockServerEngine(VLLMServerEngine):
         asleep = {"weights", "kv_cache"} if self.control.is_sleeping() else set()
         return Attestation(None, frozenset(asleep), 0 if self.exclusive else 2)
 
+    @property
+    def stages_weights(self) -> bool:
+        """Its write is vLLM's own reload of a folder (`load_weights` here), staged and
+        applied in one call: `Replicas` holds the stream for it."""
+        return False
+
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
         # Every byte is on tmpfs before the server is touched, each tied tensor under all its
         # names: vLLM's reload restores lm_head apart from embed_tokens.

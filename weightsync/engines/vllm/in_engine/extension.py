@@ -11,7 +11,8 @@ files on tmpfs, or a gloo group with the trainer as rank 0).
 Why a worker extension and not vLLM's stock ``reload_weights`` alone:
 
 - **Recovery.** Every load runs `model_ops.reload`, which abandons a half-done layerwise reload
-  so the server keeps serving (a mix of old and new layers; the trainer resyncs).
+  so the engine keeps working, and reports the layers it had finished (a mix of old and new:
+  a server's middleware then refuses generation until a full sync, ``server_lease.py``).
 - **Facts.** What the engine loads (`EngineFacts`) is read here, from the model vLLM built, not
   trusted from the caller.
 - **The epoch.** The worker's ledger (``ledger.py``) records every sleep, wake and write, by
@@ -37,7 +38,7 @@ from ....wire import format as fmt
 from ....wire import gloo, scratch
 from ....wire.delta import LoadedCopies
 from ....wire.files import MappedFiles, check_files
-from ....wire.protocol import EngineFacts, Outcome
+from ....wire.protocol import RELOAD_REPORT, EngineFacts, Outcome
 from . import backend, ledger, model_ops
 from . import checkpoint as ckpt
 
@@ -117,7 +118,12 @@ class WeightsyncWorker:
                 stream = self._weightsync_mapped.read(folder, files, key, tags)
         except Exception as e:  # noqa: BLE001 (returned to the trainer, see the module docstring)
             return self._weightsync_outcome(e)
-        return model_ops.reload(self, stream).to_json()
+        return self._weightsync_reload(stream)
+
+    def _weightsync_reload(self, stream: Any) -> dict:
+        """`model_ops.reload`, its report saying whether every weight of the engine came."""
+        expected = self._weightsync_known_facts().weights
+        return model_ops.reload(self, stream, expected=expected).to_json()
 
     def weightsync_check_files(
         self, folder: str, files: list[str], key: str, tags: list[str]
@@ -144,7 +150,7 @@ class WeightsyncWorker:
             stream = fmt.read(weight_files, model_ops.checkpoint_twins(weight_files, facts.tied))
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
-        return model_ops.reload(self, stream).to_json()
+        return self._weightsync_reload(stream)
 
     def weightsync_join_gloo(
         self, host: str, port: int, world_size: int, timeout_s: float, secret: str
@@ -175,7 +181,9 @@ class WeightsyncWorker:
             copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
             copies.begin()
         receiver = gloo.Receiver(self._weightsync_group, key, copies)
-        outcome = model_ops.reload(self, iter(receiver))
+        outcome = model_ops.reload(
+            self, iter(receiver), expected=self._weightsync_known_facts().weights
+        )
         if copies is not None:
             if outcome.ok:
                 copies.commit(delta, receiver.buckets)
@@ -315,11 +323,16 @@ class WeightsyncWorker:
             self._weightsync_adapter_root = None
         return self._weightsync_outcome()
 
-    def weightsync_abandon(self) -> dict:
+    def weightsync_abandon(self, fence: bool = True) -> dict:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
-        back. Safe to call when nothing is pending; the value says whether anything was."""
+        back. Safe to call when nothing is pending; the value says whether anything was, and
+        which layers it had finished (``wire.protocol.RELOAD_REPORT``, which fences a server
+        when any were). ``fence=False``: the same facts outside that report, for a caller that
+        rewrites every weight next inside the same pause (an update a dead trainer left open,
+        closed by the next trainer's), so the mix is never served."""
         try:
-            return self._weightsync_outcome(value=model_ops.abandon(self))
+            report = model_ops.abandon(self)
+            return self._weightsync_outcome(value=report if fence else report[RELOAD_REPORT])
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
 

@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ....wire import format as fmt
 from ....wire.checkpoint_names import checkpoint_shapes
-from ....wire.protocol import EngineFacts, LoraLimits, Outcome, Quantization
+from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
 from . import checkpoint as ckpt
 from .ledger import worker_of
 
 
 def reload(
-    obj: Any, weights: Iterable[tuple[str, torch.Tensor]] | None = None, path: str = ""
+    obj: Any,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    path: str = "",
+    expected: Collection[str] = (),
 ) -> Outcome:
     """Load checkpoint-format ``weights`` (or vLLM's own read of the folder ``path``) with vLLM's
     layerwise reload (``reload_weights``), re-running the engine's post-load processing, and
@@ -45,35 +48,82 @@ def reload(
     every unfinished layer stays on the meta device with its loaders wrapped, so the next
     generate fails ("Tensor on device meta") and kills the engine core, and every later reload
     fails too. On failure `abandon_layerwise_reload` gives every unfinished layer its previous
-    tensors back: the engine serves a mix of old and new layers and the returned outcome says
-    so (the caller must resync everything).
+    tensors back: the layers the reload had finished keep their new weights, a mix of old and
+    new, and the returned outcome says so (the caller must resync everything).
+
+    The outcome's value is a `RELOAD_REPORT` of what the reload did to the weights, which the
+    server's middleware reads (``server_lease.py``): on failure ``{"written": [...]}``, the
+    layers it had finished (empty: the weights are the old ones, whole); on success
+    ``{"complete": ...}``, whether every name of ``expected`` (the engine's weights) was
+    loaded: a full restore.
 
     Returns the outcome instead of raising (see ``wire.protocol``); an interrupt
     (``KeyboardInterrupt``) is re-raised after the recovery."""
     worker = worker_of(obj)
+    rank = int(getattr(worker, "rank", 0) or 0)
+    seen: set[str] = set()
     try:
         model = worker.model_runner.get_model()
         with onednn_scales_kept(model):
             if path:
                 worker.reload_weights(weights_path=path)
             else:
-                worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+                worker.reload_weights(
+                    weights_iterator=_noting(weights or (), seen), is_checkpoint_format=True
+                )
         if has_cpu_moe(model):
             repack_cpu_moe(model)
     except BaseException as e:
+        written = finished_layers(worker)
         abandon(worker)
         if not isinstance(e, Exception):
             raise
-        return Outcome.failed(e, rank=int(getattr(worker, "rank", 0) or 0))
-    return Outcome(rank=int(getattr(worker, "rank", 0) or 0))
+        failed = Outcome.failed(e, rank=rank)
+        return dataclasses.replace(failed, value={RELOAD_REPORT: {"written": written}})
+    complete = bool(expected) and all(name in seen for name in expected)
+    return Outcome(rank=rank, value={RELOAD_REPORT: {"complete": complete}})
 
 
-def abandon(obj: Any) -> bool:
-    """`abandon_layerwise_reload` on this worker's model; whether a reload was pending."""
+def _noting(
+    weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        seen.add(name)
+        yield name, tensor
+
+
+def finished_layers(obj: Any) -> list[str]:
+    """The layers (module names) a pending layerwise reload on this worker's model has already
+    finished: their new weights are in place, and abandoning the reload keeps them. Empty when
+    no reload is pending (none started, or it completed)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    try:
+        model = worker_of(obj).model_runner.get_model()
+    except Exception:  # noqa: BLE001 (no model: nothing was written)
+        return []
+    pending, finished = False, []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        if info.can_load():  # initialized by this reload and not processed yet
+            pending = True
+        elif any(p is not None for p in layer._parameters.values()):
+            finished.append(name)  # processed (its info reset): its new tensors are in place
+    return finished if pending else []
+
+
+def abandon(obj: Any) -> dict[str, Any]:
+    """`abandon_layerwise_reload` on this worker's model: a `RELOAD_REPORT` whether a reload
+    was pending and which layers it had finished (`finished_layers`: they keep their new
+    weights)."""
     worker = worker_of(obj)
-    return abandon_layerwise_reload(
+    written = finished_layers(worker)
+    pending = abandon_layerwise_reload(
         worker.model_runner.get_model(), worker.vllm_config.model_config
     )
+    return {RELOAD_REPORT: {"pending": pending, "written": written}}
 
 
 def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> bool:

@@ -18,6 +18,7 @@ from ....wire import gloo
 from ....wire.delta import SentCopies
 from ....wire.protocol import Outcome
 from ....wire.tags import Signer
+from ...contract import Staged
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class Transport(ABC):
     name: str
     #: The workers check a keyed tag of every bucket (and adapter) this transport sends.
     tagged: bool = False
+    #: `prepare` stages the bytes where the workers read them (consuming the buckets) before
+    #: the apply; False: its apply is the whole `send`, the bytes travel while the workers load.
+    stages: bool = False
 
     def connect(self, rpc: Rpc, world_size: int) -> None:
         """Set up whatever the transport needs with the engine's ``world_size`` workers."""
@@ -39,7 +43,8 @@ class Transport(ABC):
     @abstractmethod
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
         """Load ``buckets`` into every worker. On failure the workers have already abandoned
-        any half-done reload (they serve a mix of old and new layers) and the error is raised."""
+        any half-done reload (the layers they had finished keep their new weights: a mix, which
+        a server's middleware refuses to serve) and the error is raised."""
 
     def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
         """Stage ``buckets`` where the workers will read them, while the engine keeps serving,
@@ -58,15 +63,6 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release what `connect` set up (files, sockets)."""
-
-
-class Staged:
-    """What a `Transport.prepare` staged: `apply` loads it into the workers (once, inside the
-    engine's pause); `drop` releases what is staged (always called, applied or not)."""
-
-    def __init__(self, apply: Callable[[], None], drop: Callable[[], None] = lambda: None) -> None:
-        self.apply = apply
-        self.drop = drop
 
 
 def send_timed(

@@ -78,7 +78,7 @@ class GlooTransport(Transport):
         self._copies = sent_copies(delta, tagged, "GlooTransport")
         self.link = gloo.Link(host, port, timeout_s)
         self.tagged = tagged
-        self.stage = stage
+        self.stages = stage
         self.max_stage_bytes = max_stage_bytes
         self._rpc: Rpc | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-rpc")
@@ -137,7 +137,7 @@ class GlooTransport(Transport):
         each worker's load of what it staged. Any failure here (a refused frame, the trainer's
         own error, a dead trainer, a stage too large) leaves the engine untouched and never
         paused."""
-        if not self.stage:
+        if not self.stages:
             return super().prepare(rpc, buckets)
         if self.link.group is None:
             raise RuntimeError("GlooTransport.prepare before connect")

@@ -42,6 +42,7 @@ class TmpfsTransport(Transport):
     """
 
     name = "tmpfs"
+    stages = True
 
     def __init__(
         self, root: str | Path | None = None, *, keep: bool = True, tagged: bool = True
@@ -63,12 +64,20 @@ class TmpfsTransport(Transport):
         """Write (and tag) every bucket's file now, while the engine serves; the apply is one
         call, the workers' check of every tag and their load of the files. A trainer that
         fails or dies while writing leaves the engine untouched and never paused (its files
-        are swept with its scratch folder)."""
+        are swept with its scratch folder); a failure while writing kept files removes them
+        (they hold part of a sync nobody will load), as does the stage's `Staged.discard`."""
         signer = signer_for(self.tagged)
         if self._kept is not None:
-            written = self._kept.write(buckets, around=_serializing, signer=signer)
+            try:
+                written = self._kept.write(buckets, around=_serializing, signer=signer)
+            except BaseException:
+                self._discard_kept()  # part of a sync nobody will load: nothing of it stays
+                raise
             kwargs = {"folder": str(self._kept.folder), "files": written.names}
-            return Staged(lambda: _load(rpc, kwargs | proof_args(signer, written.tags)))
+            return Staged(
+                lambda: _load(rpc, kwargs | proof_args(signer, written.tags)),
+                discard=self._discard_kept,
+            )
         folder, written = self.stage(buckets, signer=signer)
         fresh = {"folder": str(folder)} | proof_args(signer, written.tags)
         return Staged(lambda: _load(rpc, fresh), lambda: shutil.rmtree(folder, ignore_errors=True))
@@ -78,12 +87,23 @@ class TmpfsTransport(Transport):
     ) -> tuple[Path, Written]:
         """Write every bucket to a new folder under `root` (tagged by ``signer`` if given) and
         return it; the caller removes it. Nothing reaches the engine here, so a failure (the
-        trainer's, a full tmpfs) leaves it untouched. ``aliases``: see ``wire.format``."""
+        trainer's, a full tmpfs) leaves it untouched, and removes the folder. ``aliases``: see ``wire.format``."""
         self._updates += 1
         folder = self.root / f"update-{self._updates:06d}"
-        return folder, write_folder(
-            buckets, folder, aliases=aliases, around=_serializing, signer=signer
-        )
+        try:
+            written = write_folder(
+                buckets, folder, aliases=aliases, around=_serializing, signer=signer
+            )
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # part of a sync nobody will load
+            raise
+        return folder, written
+
+    def _discard_kept(self) -> None:
+        """Remove the kept files (the next sync writes them anew)."""
+        if self._kept is not None:
+            self._kept.close()
+            shutil.rmtree(self._kept.folder, ignore_errors=True)
 
     def close(self) -> None:
         if self._kept is not None:

@@ -130,7 +130,9 @@ class WeightTransferTransport(Transport):
             if "already active" not in str(e):
                 raise
             logger.warning("weightsync: closing a weight update another trainer left open")
-            rpc("weightsync_abandon", {})
+            # Inside this trainer's pause, and the update that follows rewrites every weight:
+            # the dead trainer's finished layers are never served, so no fence (server_lease).
+            rpc("weightsync_abandon", {"fence": False})
             _call(self.client, "finish_weight_update")
             _call(self.client, "start_weight_update")
 
