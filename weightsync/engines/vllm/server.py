@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
 from ...errors import AuthError, EngineUnavailableError
 from ...wire.protocol import EngineFacts
-from .control import TOKEN_MIDDLEWARE, WORKER_EXTENSION, HTTPControl
+from .control import TOKEN_MIDDLEWARE, WORKER_EXTENSION, HTTPControl, WeightsSpan
 from .remote import RemoteVLLMEngine
 from .server_auth import TOKEN_ENV
 from .transports import Transport
@@ -107,6 +109,43 @@ class VLLMServerEngine(RemoteVLLMEngine):
 
     def describe(self) -> str:
         return f"{super().describe()} at {self.control.base_url} ({self.writes_through})"
+
+    def weights_spans(
+        self, output: Mapping[str, Any], index: int = 0, *, model: str | None = None
+    ) -> list[WeightsSpan] | None:
+        """The base and adapter versions that produced each token of a finished answer of
+        vLLM's token-in-token-out route (``POST /inference/v1/generate``, served with
+        ``--enable-scale-out``): its choice ``index``'s ``weight_versions`` (the base label,
+        `RemoteVLLMEngine._written`) with the adapter version of the ``model`` the answer names.
+        A stream carries the spans on its last chunk, which names no model: pass the name the
+        request used as ``model``.
+
+        None where the server cannot say: vLLM's OpenAI routes (``/v1/completions``,
+        ``/v1/chat/completions``) return no spans, an unfinished chunk has none, and with
+        ``adapter_versions=1`` every adapter version is served under ``lora_name``, so the
+        name does not tell which one a request ran with.
+
+        Raises:
+            ValueError: the request ran with an adapter this engine did not load.
+        """
+        choice = next(c for c in output["choices"] if c["index"] == index)
+        spans = choice.get("weight_versions")
+        if spans is None:
+            return None
+        name = model or output.get("model")
+        adapter = None
+        if name != self.control.model:
+            if self.adapter_versions == 1 and name == self.lora_name:
+                return None
+            found = re.fullmatch(re.escape(self.lora_name) + r"-v(\d+)", name or "")
+            if found is None:
+                raise ValueError(
+                    f"the request ran with model {name!r}, an adapter this engine did not load "
+                    f"(it serves {self.control.model!r} and {self.lora_name!r}-v<k>): its "
+                    "version is not weightsync's to name"
+                )
+            adapter = int(found.group(1))
+        return [WeightsSpan(s["version"], adapter, s["start"], s["end"]) for s in spans]
 
     #: How this engine's weights are written, for `describe`.
     writes_through = "worker extension"

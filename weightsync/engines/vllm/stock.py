@@ -25,7 +25,7 @@ from ...plan import Bucket
 from ...wire import format as fmt
 from ...wire.protocol import EngineFacts, LoraLimits, Quantization
 from ..base import Attestation, register
-from .control import WORKER_EXTENSION, HTTPControl
+from .control import WORKER_EXTENSION, HTTPControl, WeightsSpan
 from .in_engine import checkpoint as ckpt
 from .in_engine.model_ops import fold_tied, tied_parameter_names
 from .server import VLLMServerEngine
@@ -71,6 +71,13 @@ class StockServerEngine(VLLMServerEngine):
 
     def _version_now(self) -> str | None:
         return None  # no ledger: nothing the server could attest
+
+    def weights_spans(
+        self, output: Any, index: int = 0, *, model: str | None = None
+    ) -> list[WeightsSpan] | None:
+        """None: with no version attested, vLLM's label of every token stays its
+        ``"default"``, which names no weights."""
+        return None
 
     def _attest(self, since: Hashable | None) -> Attestation:
         """It can say only whether it sleeps now (a bool, no level, also true while paused),

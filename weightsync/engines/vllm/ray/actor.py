@@ -29,7 +29,7 @@ from ....wire.protocol import Outcome
 from ....wire.stream import Checker, Kind
 from ....wire.tags import check
 from ..asyncllm import AsyncLLMControl
-from ..control import WORKER_EXTENSION, Control, LLMControl
+from ..control import WORKER_EXTENSION, Control, LLMControl, held_lora
 from ..in_engine import model_ops
 from ..transports import TmpfsTransport
 
@@ -128,6 +128,21 @@ class _EngineSide:
             isinstance(engine.llm_engine.engine_core, InprocClient) and world == 1
         )
         self._weightsync_control = LLMControl(engine)
+
+    def weightsync_lora_request(self, name: str | None) -> Any:
+        """The ``LoRARequest`` of the adapter version weightsync loaded under ``name`` (a name
+        of the trainer's `RayVLLMEngine.resident_adapters`, or its ``served_adapter``), for the
+        actor's own generations: a rollout admitted with version k's request finishes on k,
+        and `RayVLLMEngine.weights_spans` of its output names k. None: ``name`` is None.
+
+        Raises:
+            AdapterError: no adapter version is loaded under ``name``.
+        """
+        control = self._weightsync_control
+        if control is None:  # nothing synced yet: no adapter loaded
+            return held_lora({}, name)
+        assert isinstance(control, LLMControl | AsyncLLMControl)
+        return control.lora_request(name)
 
     def _weightsync_serve(self, call: str, *args: Any) -> Any:
         """One `Control` call (``call`` names the method), or a byte call of the transport
