@@ -356,7 +356,11 @@ class RemoteVLLMEngine(Engine):
         path = None
         if self._adapter_dir is None:
             path = self.transport.put_adapter(
-                self.rpc, self._version, adapter.tensors, adapter.config
+                self.rpc,
+                self._version,
+                adapter.tensors,
+                adapter.config,
+                keep=max(self.adapter_versions, 2),
             )
             self._remote_adapters |= path is not None
         local = path is None

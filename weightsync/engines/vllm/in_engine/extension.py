@@ -293,11 +293,14 @@ class WeightsyncWorker:
         was started with it), or None."""
         return getattr(self, "weight_transfer_engine", None)
 
-    def weightsync_receive_adapter(self, version: int, config: str, key: str = "") -> dict:
+    def weightsync_receive_adapter(
+        self, version: int, config: str, key: str = "", keep: int = 2
+    ) -> dict:
         """Receive an adapter version over the gloo group and write it where this server's
         LoRA loader reads it (rank 0; the trainer may be on another host): a new versioned
-        folder in a scratch folder of this host, the two newest kept (a request admitted before
-        a swap may still read the previous one). Its path is the outcome's value (rank 0)."""
+        folder in a scratch folder of this host, the ``keep`` newest kept (at least two: a
+        request admitted before a swap may still read an older one). Its path is the outcome's
+        value (rank 0)."""
         if self._weightsync_group is None:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
         receiver = gloo.Receiver(self._weightsync_group, key)
@@ -309,7 +312,7 @@ class WeightsyncWorker:
                 self._weightsync_adapter_root = scratch.scratch_dir(self, "adapters")
             folder = self._weightsync_adapter_root / f"adapter-v{int(version):06d}"
             fmt.write_adapter(folder, tensors, json.loads(config))
-            for old in sorted(folder.parent.glob("adapter-v*"))[:-2]:
+            for old in sorted(folder.parent.glob("adapter-v*"))[: -max(2, int(keep))]:
                 shutil.rmtree(old, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             receiver.drain()

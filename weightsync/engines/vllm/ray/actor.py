@@ -231,10 +231,10 @@ class _EngineSide:
         return outcomes
 
     def _weightsync_adapter(
-        self, ref: Any, version: int, config: str, key: str = "", tag: str = ""
+        self, ref: Any, version: int, config: str, key: str = "", tag: str = "", keep: int = 2
     ) -> Outcome:
-        """Write an adapter version from the object store to a folder on this node; its path
-        is the outcome's value."""
+        """Write an adapter version from the object store to a folder on this node, keeping the
+        ``keep`` newest versions' folders; its path is the outcome's value."""
         import ray
 
         try:
@@ -245,7 +245,7 @@ class _EngineSide:
                 self._weightsync_adapters = scratch.scratch_dir(self, "adapters")
             folder = self._weightsync_adapters / f"adapter-v{int(version):06d}"
             fmt.write_adapter(folder, list(_views([payload])), json.loads(config))
-            for old in sorted(folder.parent.glob("adapter-v*"))[:-2]:
+            for old in sorted(folder.parent.glob("adapter-v*"))[: -max(2, int(keep))]:
                 shutil.rmtree(old, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return Outcome.failed(e)

@@ -241,7 +241,12 @@ class RayObjectStoreTransport(Transport):
         return self._channel
 
     def put_adapter(
-        self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
+        self,
+        rpc: Rpc,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        config: dict,
+        keep: int = 2,
     ) -> str | None:
         """The adapter through the object store; the actor writes it to a folder on its own
         node (its LoRA loader reads folders) and that path is returned."""
@@ -256,6 +261,7 @@ class RayObjectStoreTransport(Transport):
             "ref": ref,
             "version": version,
             "config": json.dumps(config, default=str),
+            "keep": keep,
         }
         if signer is not None:
             kwargs |= {"key": signer.key_hex, "tag": tag}

@@ -54,11 +54,18 @@ class Transport(ABC):
         return Staged(lambda: self.send(rpc, buckets))
 
     def put_adapter(
-        self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
+        self,
+        rpc: Rpc,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        config: dict,
+        keep: int = 2,
     ) -> str | None:
         """Put an adapter version (its tensors and ``adapter_config.json`` content) where the
         engine's LoRA loader reads it and return that path; None: this transport does not carry
-        adapters, the engine writes them to a folder it shares with the server."""
+        adapters, the engine writes them to a folder it shares with the server. The engine side
+        keeps the ``keep`` newest versions' folders (a request admitted under an older version
+        may still read its folder: ``adapter_versions``)."""
         return None
 
     def close(self) -> None:

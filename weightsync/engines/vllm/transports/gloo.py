@@ -176,14 +176,19 @@ class GlooTransport(Transport):
         return Staged(apply, drop)
 
     def put_adapter(
-        self, rpc: Rpc, version: int, tensors: dict[str, torch.Tensor], config: dict
+        self,
+        rpc: Rpc,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        config: dict,
+        keep: int = 2,
     ) -> str | None:
         """Broadcast the adapter; the engine's first worker writes it to a folder on its own
         host (the server may be on another one) and its path is returned."""
         if self.link.group is None:
             raise RuntimeError("GlooTransport.put_adapter before connect")
         signer = signer_for(self.tagged)
-        kwargs = {"version": version, "config": json.dumps(config, default=str)}
+        kwargs = {"version": version, "config": json.dumps(config, default=str), "keep": keep}
         received = self._pool.submit(rpc, "weightsync_receive_adapter", kwargs | proof_args(signer))
         gloo.send(self.link.group, [list(tensors.items())], received, send_timed, signer)
         return next(o.value for o in received.result() if o.value is not None)
