@@ -279,7 +279,9 @@ def table(results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in results:
-        starts = "yes" if r["stage"] not in ("build", "start", "timeout", "crashed") else "no"
+        starts = {"build": "-", "start": "no", "timeout": "?", "crashed": "?"}.get(
+            r["stage"], "yes"
+        )
         fresh = {True: "yes", False: "no", None: "-"}[r.get("fresh_exact")]
         canary = r.get("canary", "-")
         if canary == "passed":
