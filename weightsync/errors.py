@@ -68,6 +68,17 @@ class VerificationError(WeightSyncError, RuntimeError):
     sync resends everything."""
 
 
+class UnprovenEngineError(VerificationError):
+    """The first sync of an engine whose architecture or quantization weightsync has not
+    proven exact (`weightsync.proven`) was verified, and the engine does not serve the
+    trainer's weights. Raised after the write; the base is marked lost, so the next sync
+    restores every weight. ``architecture`` names the engine's architecture."""
+
+    def __init__(self, message: str, architecture: str = "") -> None:
+        super().__init__(message)
+        self.architecture = architecture
+
+
 class EngineBrokenError(WeightSyncError, RuntimeError):
     """A write failed and the engine could not be brought back to a servable state; it is left
     paused. Restart it (or reload its checkpoint through vLLM) before resuming it.

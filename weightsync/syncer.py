@@ -15,8 +15,8 @@ from .engines.base import Engine, adapt
 from .errors import BaseUnprovenError
 from .execute import execute
 from .plan import Plan
+from .proven import check_after_sync
 from .strategies import AdapterSync, FullSync, ReloadWeights, Strategy, SyncReport
-from .verify import check_engine
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Syncer:
     """Told the training setup once; after every wake, chooses a strategy and syncs.
 
     It owns ``base_sync_done``: False until a sync completes, set False again *before* each
-    sync starts, True only once it completed (and, with ``verify``, passed verification). So a
+    sync starts, True only once it completed (and passed verification, when it was verified). So a
     sync that fails half-way leaves the base marked unsynced and the next call resends
     everything.
 
@@ -63,9 +63,13 @@ class Syncer:
         prefer_reload: restore a discarded base from the engine's checkpoint (see policy).
         base_sync_done: start as if the base were synced (e.g. the engine was started from the
             very checkpoint the trainer loaded, as verl assumes unless load_format is "dummy").
-        verify: check every sync on a canary prompt (see `weightsync.verify`). The canary
-            is generated, so the KV cache must be awake at sync time; with the split wake of the
-            example, leave this off and call ``verify.check_engine`` after the KV wake.
+        verify: True: check every sync on a canary prompt (see `weightsync.verify`). The
+            canary is generated, so the KV cache must be awake at sync time; with the split
+            wake of the example, leave this unset and call ``verify.check_engine`` after the KV
+            wake. None (the default): only the first sync of an engine whose architecture or
+            quantization weightsync has not proven exact (`weightsync.proven`), once; a
+            mismatch raises `UnprovenEngineError`, naming the architecture. False: never, not
+            even that first one (the explicit opt-out).
     """
 
     def __init__(
@@ -76,7 +80,7 @@ class Syncer:
         rollout_lora: bool | None = None,
         prefer_reload: bool = False,
         base_sync_done: bool = False,
-        verify: bool = False,
+        verify: bool | None = None,
     ) -> None:
         self.engine = adapt(engine)
         self.train_type = train_type
@@ -154,8 +158,10 @@ class Syncer:
                 self.base_sync_done = synced
             raise
         report = dataclasses.replace(report, weights_version=synced_version(self.engine, report))
-        if self.verify:
-            diff = check_engine(model, self.engine, strategy=plan.strategy, step=self.step)
+        diff = check_after_sync(
+            model, self.engine, verify=self.verify, strategy=plan.strategy, step=self.step
+        )
+        if diff is not None:
             report = dataclasses.replace(report, verified_logprob_diff=diff)
         self.base_sync_done = True
         logger.info(

@@ -61,6 +61,9 @@ class Engine(EngineContract):
         #: tensor), and the strategy that wrote it; None: weightsync wrote nothing yet.
         self._base: dict[str, tuple] | None = None
         self._base_source = ""
+        #: The first-sync check of an engine weightsync has not proven exact has run
+        #: (`weightsync.proven.check_after_sync`): passed, or found impossible to run.
+        self.first_sync_checked = False
 
     # --- the lifecycle, as the trainer records it -------------------------------------------
 

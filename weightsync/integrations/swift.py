@@ -37,7 +37,7 @@ TUNER_TYPES = ("full", "lora")
 
 
 def use_weightsync(
-    trainer: Any, *, verify: bool = False, alarm: Literal["log", "raise", "off"] = "log"
+    trainer: Any, *, verify: bool | None = None, alarm: Literal["log", "raise", "off"] = "log"
 ) -> Syncer:
     """Route ms-swift ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
@@ -46,9 +46,12 @@ def use_weightsync(
 
     Args:
         trainer: ms-swift's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode='colocate'``.
-        verify: check every sync against the trainer on a canary prompt. Verification
+        verify: True: check every sync against the trainer on a canary prompt. Verification
             generates, so it needs the KV cache awake: it cannot run with ``sleep_level`` > 0,
             where swift wakes the KV cache only after the sync.
+            None (the default): only the first sync of an engine weightsync has not proven
+            exact (`weightsync.proven`; with the KV cache asleep at that sync, the next one
+            made awake). False: never.
         alarm: check every rollout batch (`weightsync.alarm`): the engine's logprobs of the
             tokens it sampled (swift asks vLLM for them whenever it generates with it) against
             the trainer's of the same tokens, where swift computes its off-policy metrics
@@ -119,7 +122,7 @@ def _check_rollouts(trainer: Any, alarm: RolloutAlarm) -> None:
     trainer.log_rollout_offpolicy_metrics = True
 
 
-def register_callback(name: str = "weightsync", *, verify: bool = False) -> None:
+def register_callback(name: str = "weightsync", *, verify: bool | None = None) -> None:
     """Make ``--callbacks <name>`` call `use_weightsync` on swift's trainer when training begins.
 
     For swift's CLI, from a file given to ``--external_plugins``::
@@ -144,7 +147,7 @@ def register_callback(name: str = "weightsync", *, verify: bool = False) -> None
     callbacks_map[name] = WeightsyncCallback
 
 
-def _check_supported(trainer: Any, verify: bool) -> None:
+def _check_supported(trainer: Any, verify: bool | None) -> None:
     """Refuse, naming the option, every set-up weightsync's swift integration is not exact in."""
     from swift.rlhf_trainers import GRPOTrainer
 

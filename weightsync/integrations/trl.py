@@ -47,7 +47,7 @@ def use_weightsync(
     serve_lora: bool = False,
     sleep_level: int = 2,
     max_lora_rank: int | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
     token: str | None = None,
     transport: str | Transport = "tmpfs",
     allow_unauthenticated: bool = False,
@@ -70,9 +70,12 @@ def use_weightsync(
             adapter, at the price of host memory holding the weights while training.
         max_lora_rank: for ``serve_lora``, the engine's ``max_lora_rank``; defaults to the
             smallest vLLM accepts that covers the adapter's rank.
-        verify: check every sync against the trainer on a canary prompt. Verification
+        verify: True: check every sync against the trainer on a canary prompt. Verification
             generates, so it needs the KV cache awake: it cannot run with sleep mode, where TRL
             wakes the KV cache only after the sync.
+            None (the default): only the first sync of an engine weightsync has not proven
+            exact (`weightsync.proven`; with the KV cache asleep at that sync, the next one
+            made awake). False: never.
         token: server mode: weightsync's token for the server (default: the one TRL's client
             was given by `server_mode`, else ``WEIGHTSYNC_TOKEN``), see `VLLMServerEngine`.
         transport: server mode: how the bytes travel (``"tmpfs"``: same host, ``"gloo"``: any
@@ -220,7 +223,7 @@ def server_mode(token: str | None = None) -> Iterator[None]:
         VLLMClient.init_communicator = init_communicator
 
 
-def _check_supported(vg: Any, sleep_level: int, verify: bool) -> None:
+def _check_supported(vg: Any, sleep_level: int, verify: bool | None) -> None:
     if vg.mode == "server":
         if vg.accelerator.num_processes != 1:
             raise ValueError(

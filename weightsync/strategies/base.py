@@ -14,7 +14,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from torch import nn
@@ -23,6 +23,7 @@ from ..engines.base import Engine, adapt
 from ..errors import BadArgumentError, EngineCannotRunError, WeightMismatchError
 from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
+from ..proven import check_after_sync, refuse
 from ..trainer import quantize
 from ..trainer.values import check_plan
 
@@ -60,7 +61,8 @@ class Strategy(ABC):
         Raises:
             WeightSyncError: the sync cannot reproduce the trainer in this engine
                 (EngineAsleepError, BaseDiscardedError, WeightMismatchError, AdapterError,
-                UnsupportedModelError, BadValuesError), or ``model`` is not a model
+                UnsupportedModelError -- also for an architecture `weightsync.proven.REFUSED`
+                lists --, BadValuesError), or ``model`` is not a model
                 (BadArgumentError).
         """
         if not isinstance(model, nn.Module):
@@ -70,28 +72,38 @@ class Strategy(ABC):
             )
         engine = adapt(engine)
         engine.check_writable(restores_base=self.restores_base, strategy=self.label)
+        refuse(engine, self.label)
         plan = self._plan(model, engine)
         check_plan(plan)
         return plan
 
-    def sync(self, model: nn.Module, engine: Engine | Any) -> SyncReport:
-        """Make ``engine`` serve what ``model`` computes: `plan`, then `execute`.
-
-        Verification is one door, `weightsync.verify.check_engine` (which `Syncer` calls with
-        ``verify=True``): call it after this to compare the engine with ``model``.
+    def sync(
+        self, model: nn.Module, engine: Engine | Any, *, verify: bool | None = None
+    ) -> SyncReport:
+        """Make ``engine`` serve what ``model`` computes: `plan`, `execute`, then the check
+        ``verify`` asks for (`weightsync.proven.check_after_sync`).
 
         Args:
             model: a transformers causal LM or a ``peft.PeftModel``; never modified.
             engine: an `Engine`, or a raw engine object a registered
-                adapter accepts (a ``vllm.LLM``).
+                adapter accepts (a ``vllm.LLM``: a fresh engine record each call, so its
+                first-sync check runs each call too; keep the `Engine` to run it once).
+            verify: True: compare the engine with ``model`` on the canary prompts
+                (`weightsync.verify.check_engine`). None (the default): only the first sync
+                of an engine weightsync has not proven exact (`weightsync.proven`). False:
+                never.
 
         Raises:
             WeightSyncError: whatever `plan` raises, before anything is written.
+            VerificationError: the check ran and failed, after the write
+                (`UnprovenEngineError` for the first-sync check); the base is marked lost.
             Exception: whatever the engine raises while writing (the base is then unsynced).
         """
         engine = adapt(engine)
         start = time.perf_counter()
-        return execute(self.plan(model, engine), engine, started=start)
+        report = execute(self.plan(model, engine), engine, started=start)
+        diff = check_after_sync(model, engine, verify=verify, strategy=self.label)
+        return report if diff is None else replace(report, verified_logprob_diff=diff)
 
     @abstractmethod
     def _plan(self, model: nn.Module, engine: Engine) -> Plan:

@@ -109,6 +109,8 @@ class EngineFacts:
 
     Attributes:
         dtype: the dtype the engine computes in (a torch dtype's name: ``"bfloat16"``).
+        architecture: the architecture its model config names (``"Qwen2ForCausalLM"``); empty
+            when not known. Whether weightsync has proven it exact (``weightsync.proven``).
         weights: checkpoint name -> shape of every weight the engine loads.
         tied: groups of names the engine holds as one tensor (tied embeddings).
         lora: the adapters it serves (None: it serves none).
@@ -137,6 +139,7 @@ class EngineFacts:
     files: tuple[str, ...] = ()
     world_size: int = 1
     cpu: str = ""
+    architecture: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,6 +175,7 @@ class EngineFacts:
             files=tuple(data.get("files", ())),
             world_size=int(data.get("world_size", 1)),
             cpu=str(data.get("cpu", "")),
+            architecture=str(data.get("architecture", "")),
         )
 
 

@@ -48,7 +48,13 @@ from typing import Any
 import torch
 
 from ... import errors, timing
-from ...errors import AdapterError, EngineBrokenError, EngineUnavailableError, NoCheckpointError
+from ...errors import (
+    AdapterError,
+    EngineBrokenError,
+    EngineUnavailableError,
+    NoCheckpointError,
+    WeightSyncError,
+)
 from ...plan import Adapter, Bucket
 from ...wire import format as fmt
 from ...wire.files import sign_file
@@ -135,8 +141,8 @@ class RemoteVLLMEngine(Engine):
         """What the engine loads and serves, from the worker extension."""
         try:
             return EngineFacts.from_json(self.rpc("weightsync_facts")[0].value)
-        except EngineUnavailableError:
-            raise  # an engine that is gone, not one without the extension
+        except WeightSyncError:
+            raise  # an engine that is gone, or one the workers cannot read (naming it)
         except Exception as e:
             raise RuntimeError(
                 "the engine's workers do not answer weightsync_facts: start it with the worker "

@@ -199,6 +199,7 @@ def facts(control: HTTPControl) -> EngineFacts:
         )
     return EngineFacts(
         dtype=str(model_config["dtype"]).removeprefix("torch."),
+        architecture=(getattr(model.config, "architectures", None) or [""])[0],
         weights=shapes,
         tied=tuple(tied),
         lora=lora,

@@ -15,14 +15,17 @@ snapshot vLLM downloaded. Only headers are read.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ....errors import UnsupportedModelError
 from ....wire import format as fmt
 from ....wire.checkpoint_names import checkpoint_shapes
 
@@ -94,24 +97,56 @@ def weight_files(folder: str, load_config: Any) -> list[str]:
     return sorted(files)
 
 
-def config_model(config: Any, trust_remote_code: bool) -> PreTrainedModel:
+def config_model(config: Any, trust_remote_code: bool, vllm_config: Any = None) -> PreTrainedModel:
     """The transformers causal LM ``config`` builds, on the meta device (no memory, no weights).
 
     ``config`` is copied first: building a model writes into its config (attention
-    implementation, ...) and the caller's may be vLLM's own."""
+    implementation, ...) and the caller's may be vLLM's own.
+
+    ``vllm_config``: the engine's vLLM config, when this runs in the engine's process. vLLM's
+    Transformers modeling backend (the architectures vLLM serves through transformers' own
+    classes: GPT-NeoX, OLMo-2, Starcoder2, ... in vLLM 0.32) decorates transformers' decoder
+    class *in place* for its compiler, process-wide, and the decorated ``__init__`` needs a
+    current vLLM config ("Current vLLM config is not set" otherwise). The model is built with
+    the engine's config made current, its compilation off (a copy with mode NONE), so the
+    decoration only marks the meta model as not compiled: its names and shapes are
+    transformers' own.
+
+    Raises:
+        UnsupportedModelError: transformers cannot build the model (any error on the way),
+            naming the architecture.
+    """
     from transformers import AutoModelForCausalLM
 
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _current(vllm_config):
             return AutoModelForCausalLM.from_config(
                 copy.deepcopy(config), trust_remote_code=trust_remote_code
             )
-    except (ValueError, KeyError, ImportError, OSError) as err:
-        raise ValueError(
-            f"transformers cannot build the engine's model from its config "
-            f"({getattr(config, 'architectures', None)}: {err}); weightsync learns what the engine "
-            "loads from that model, and streams a transformers model's weights"
+    except Exception as err:
+        raise UnsupportedModelError(
+            f"weightsync cannot read what a {architecture} engine loads: transformers could not "
+            f"build that model from the engine's config here ({type(err).__name__}: {err}). "
+            "weightsync learns the names and shapes an engine loads from the transformers model "
+            "its config builds, and streams a transformers model's weights; nothing was written."
         ) from err
+
+
+@contextlib.contextmanager
+def _current(vllm_config: Any) -> Iterator[None]:
+    """``vllm_config`` made vLLM's current config, with its compilation off (see
+    `config_model`); nothing when None."""
+    if vllm_config is None:
+        yield
+        return
+    from vllm.config import CompilationMode, set_current_vllm_config
+
+    eager = copy.copy(vllm_config)
+    eager.compilation_config = copy.copy(vllm_config.compilation_config)
+    eager.compilation_config.mode = CompilationMode.NONE
+    with set_current_vllm_config(eager):
+        yield
 
 
 def loaded_shapes(model: nn.Module, files: list[str] | None) -> dict[str, tuple[int, ...]]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ....errors import UnsupportedModelError, WeightSyncError
 from ....wire import format as fmt
 from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
@@ -381,14 +382,41 @@ def lora_modules(model: torch.nn.Module) -> set[str]:
 def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
     """What this engine loads and serves, from the model vLLM built and the files its loader
     picked (``checkpoint.py``); ``checkpoint``: the folder it was started from, when vLLM's
-    config no longer names it (it repoints ``model_config.model`` at any folder it reloads)."""
+    config no longer names it (it repoints ``model_config.model`` at any folder it reloads).
+
+    Raises:
+        WeightSyncError: anything that stops the reading, as a weightsync error naming the
+            engine's architecture (`UnsupportedModelError` for an error of another library):
+            an engine weightsync cannot read is refused before anything is written.
+    """
     worker = worker_of(obj)
     config = worker.vllm_config
+    try:
+        return _read_facts(worker, config, checkpoint)
+    except WeightSyncError:
+        raise
+    except Exception as err:
+        raise UnsupportedModelError(
+            f"{architecture_of(config.model_config.hf_config)} engine: weightsync cannot read "
+            f"what it loads ({type(err).__name__}: {err}); nothing was written"
+        ) from err
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The architecture an engine's model config names (``Qwen2ForCausalLM``): its first
+    ``architectures`` entry, else its ``model_type``."""
+    names = getattr(hf_config, "architectures", None) or []
+    return str(names[0]) if names else str(getattr(hf_config, "model_type", "unknown"))
+
+
+def _read_facts(worker: Any, config: Any, checkpoint: str) -> EngineFacts:
     model = worker.model_runner.get_model()
     model_config = config.model_config
     folder = checkpoint or ckpt.local_folder(model_config.model, model_config.revision)
     files = ckpt.weight_files(folder, config.load_config)
-    meta_model = ckpt.config_model(model_config.hf_config, model_config.trust_remote_code)
+    meta_model = ckpt.config_model(
+        model_config.hf_config, model_config.trust_remote_code, vllm_config=config
+    )
     read = ckpt.loads_files(config.load_config)
     shapes = dict(ckpt.loaded_shapes(meta_model, files if read else None))
     quant = quantization(config, model)
@@ -406,6 +434,7 @@ def read_facts(obj: Any, checkpoint: str = "") -> EngineFacts:
         )
     return EngineFacts(
         dtype=str(model_config.dtype).removeprefix("torch."),
+        architecture=architecture_of(model_config.hf_config),
         weights=shapes,
         tied=tuple(tied),
         lora=lora,

