@@ -206,7 +206,9 @@ def test_over_gloo_the_server_keeps_a_folder_for_every_resident_version(server):
     """Over gloo the server's first worker writes each adapter version to a folder on its own
     host; it must keep as many as the engine keeps versions loaded (it kept two whatever
     ``adapter_versions`` was: a request of the oldest version in flight across a base write
-    would have had vLLM re-read a deleted folder)."""
+    would have had vLLM re-read a deleted folder). A second engine on this server, as a
+    restarted trainer's would be: the module's engine left its versions loaded under the same
+    names (``weightsync-v1``...), which this one replaces (vLLM refused them with HTTP 400)."""
     engine = VLLMServerEngine(server.url, transport=GlooTransport(), adapter_versions=3)
     try:
         model = lora_model("qwen2", seed=7)

@@ -140,17 +140,19 @@ def test_a_worker_without_the_copy_gets_every_bucket_whole(llm, engines):
 
 def test_a_forged_delta_is_refused_and_the_next_sync_repairs(llm, engines, monkeypatch):
     """A delta that does not patch the worker's copy into the trainer's bytes (altered on the
-    way, or against another base) is refused by the whole bucket's tag; the engine recovers
-    like any failed write (base lost) and the next sync is whole and exact."""
+    way, or against another base) is refused by the whole bucket's tag while the workers stage
+    the stream: nothing of it was loaded (the engine serves what it did, its base still the
+    synced one), the kept copies are dropped, and the next sync is whole and exact."""
     delta, other = engines
     model, optimizer = trainer()
     SYNC.sync(model, delta)
+    serving = delta.greedy_batch(T.PROMPTS, 8)
     step(model, optimizer, seed=6)
     forge_deltas(monkeypatch)
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         SYNC.sync(model, delta)
     monkeypatch.undo()
-    assert delta.base_discarded  # stopped part-way: only a full restore may follow
+    assert delta.greedy_batch(T.PROMPTS, 8) == serving and not delta.base_discarded
     SYNC.sync(model, delta)
     check_engine(model, delta, strategy="delta")
     assert sent(delta).delta_buckets == 0

@@ -499,7 +499,16 @@ class HTTPControl(Control):
     def load_lora(self, name: str, path: str) -> None:
         # Never load_inplace over HTTP: the server then re-reads the adapter from disk on every
         # decode step, and deleting its folder kills the server (measured, vLLM 0.32).
-        self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            self._call("POST", "/v1/load_lora_adapter", json=body)
+        except RuntimeError as error:
+            if "has already been loaded" not in str(error):
+                raise
+            # An earlier client of this server (a trainer restarted, another engine) left an
+            # adapter under this name: not the version this engine means by it. Replace it.
+            self.unload_lora(name)
+            self._call("POST", "/v1/load_lora_adapter", json=body)
 
     def unload_lora(self, name: str) -> None:
         loaded = [m["id"] for m in self._call("GET", "/v1/models")["data"]]
