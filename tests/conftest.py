@@ -22,7 +22,11 @@ makes on its own ``checkpoint`` fixture. What one module alone uses stays in tha
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +42,14 @@ from weightsync import testing as T
 from weightsync.engines import WORKER_EXTENSION, Engine, VLLMEngine
 
 pytest_plugins = ["pytester"]
+
+# vLLM names its ZMQ sockets ``ipc://<VLLM_RPC_BASE_PATH>/<uuid>`` (default: /tmp) and nobody
+# removes the files: a full run left ~500 in /tmp. Every test process (and the servers, engine
+# cores and workers it starts, which inherit the environment) puts them in a folder of its own,
+# removed when the process exits.
+_RPC_DIR = tempfile.mkdtemp(prefix="weightsync-tests-rpc-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _RPC_DIR)
+atexit.register(shutil.rmtree, _RPC_DIR, True)
 
 
 # --- running the suite on two workers (pytest-xdist, ``-n 2`` in pyproject's addopts) -----------
