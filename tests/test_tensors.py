@@ -276,3 +276,31 @@ def test_values_check_finds_every_non_finite_and_what_the_cast_overflows(held):
     with pytest.raises(BadValuesError, match=r"layers\.0\.mlp\.down_proj\.weight: computed"):
         check_plan(planned(lora, torch.float16, merge=True))
     check_plan(planned(lora, torch.float32, merge=True))  # the same merge fits float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_what_fits_a_dtype_is_what_torch_casts_finite(dtype):
+    """The values check decides "fits the engine's dtype" by arithmetic, not a cast per tensor:
+    it must agree with torch's own cast (from float64 and from float32, as trainer tensors are
+    cast) at the edge of overflow, where a 16-bit cast rounds through float32."""
+    import math
+    import random
+
+    from weightsync.trainer.values import _fits
+
+    def finite(value, via):
+        cast = torch.tensor([value], dtype=torch.float64).to(via).to(dtype)
+        return bool(torch.isfinite(cast).all())
+
+    top = torch.finfo(dtype).max
+    lo, hi = top, top * 2  # torch's own edge, by bisection: finite at lo, inf at hi
+    while math.nextafter(lo, hi) < hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if finite(mid, torch.float64) else (lo, mid)
+    rng = random.Random(0)
+    near = [top * (1 + rng.uniform(-1e-2, 1e-2)) for _ in range(1000)]
+    near += [hi * (1 + rng.uniform(-1e-6, 1e-6)) for _ in range(2000)]
+    edges = [0.0, 1.0, top, lo, hi, math.nextafter(top, math.inf), math.inf, math.nan]
+    for value in near + edges:
+        for via in (torch.float64, torch.float32):
+            assert _fits(value, dtype) == finite(value, via), (value, via)

@@ -173,9 +173,12 @@ def module_problems(model: nn.Module, mode: Mode) -> list[str]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
+    from .tensors import modules_of_type
+
     layers, wrappers = _module_types()
     found: dict[str, list[str]] = {}
-    for name, module in model.named_modules():
+    walk = modules_of_type(model, (BaseTunerLayer, AuxiliaryTrainingWrapper), inside=True)
+    for name, module in walk:
         if isinstance(module, BaseTunerLayer):
             if type(module) not in layers or (
                 mode == "serve" and type(module).__name__ == "ParamWrapper"

@@ -246,7 +246,7 @@ def trained_copies(model: nn.Module) -> list[Weight]:
     from peft.utils import ModulesToSaveWrapper
 
     out: list[Weight] = []
-    for name, module in _modules_of_type(inner_model(model), ModulesToSaveWrapper):
+    for name, module in modules_of_type(inner_model(model), ModulesToSaveWrapper):
         if not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
@@ -263,11 +263,15 @@ def trained_copies(model: nn.Module) -> list[Weight]:
     return out
 
 
-def _modules_of_type(root: nn.Module, kind: type) -> Iterator[tuple[str, Any]]:
+def modules_of_type(
+    root: nn.Module, kind: type | tuple[type, ...], *, inside: bool = False
+) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each module of type ``kind`` below ``root``, in
-    ``named_modules()`` order and under its first name, without descending into a match.
-    Cheaper than ``named_modules()``, which builds every name: it runs on every adapter sync,
-    whose whole budget is small (docs/benchmarks.md)."""
+    ``named_modules()`` order and under its first name; ``inside``: also below a match (else a
+    match's children are skipped). An explicit stack instead of ``named_modules()``, whose
+    recursive generators pass every module up through each level: the walks of an adapter sync
+    (the allowlist check, the ``modules_to_save`` copies) run every step, and the whole sync's
+    budget is small (docs/benchmarks.md)."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
@@ -277,7 +281,8 @@ def _modules_of_type(root: nn.Module, kind: type) -> Iterator[tuple[str, Any]]:
         seen.add(id(module))
         if isinstance(module, kind):
             yield prefix, module
-            continue
+            if not inside:
+                continue
         children = module._modules
         if children:
             stack.extend(
