@@ -26,10 +26,10 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``policy.choose`` + ``strategy.sync`` (the caller tracking ``base_sync_done`` and the sleep
   level as a framework does), a ``Replicas`` target, and ``weightsync.distributed.sync`` (with a
   Syncer or a strategy) in a one-process gloo group;
-- faults in a sync of the multiprocess and server engines, and of one replica of the replica
-  target (issue 31): the trainer failing part-way through its buckets (re-cut one tensor a
-  bucket, so "part-way" is mid-stream), a gloo frame corrupted on the way, a tmpfs file
-  rewritten before the load. The sync must raise and every engine still generate exactly what
+- faults in a sync of every engine, and of one replica of the replica target (issue 31): the
+  trainer failing part-way through its buckets (re-cut one tensor a bucket, so "part-way" is
+  mid-stream; the in-process engines stage, ``VLLMEngine(stage=True)``), a gloo frame corrupted
+  on the way, a tmpfs file rewritten before the load. The sync must raise and every engine still generate exactly what
   it generated before (old weights whole, never a mix, every replica on one version); the walk
   goes on and the next sync must be exact. (A trainer SIGKILLed mid-sync needs a process of its
   own: ``tests/test_pause_lease_vllm.py``.)
@@ -254,8 +254,10 @@ def world(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         server = VLLMServer(checkpoint, root / "server.log", args=LORA_ARGS)
         stack.callback(lambda: server.alive() and server.stop())  # if we fail before serving()
-        plain = VLLMEngine(T.make_llm(checkpoint))
-        lora = VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16))
+        # in process: staged (the trainer's side produces every bucket before vLLM loads one),
+        # so a trainer failing part-way leaves them as they were, as on the other engines
+        plain = VLLMEngine(T.make_llm(checkpoint), stage=True)
+        lora = VLLMEngine(T.make_llm(checkpoint, enable_lora=True, max_lora_rank=16), stage=True)
         garbage_dir = _write_garbage_checkpoint(dict(plain.expected_weights), root / "garbage")
         mp_llm = stack.enter_context(
             multiproc_llm(checkpoint, enable_lora=True, max_lora_rank=16, max_loras=1)
@@ -647,12 +649,12 @@ class Walk:
         """Now and then (its own generator), a fault in this sync's transport: which, and a
         list that fills when it fired (a sync that sends no base buckets -- an adapter alone,
         everything skipped -- never reaches it)."""
-        if not self.faults or self.target == "inproc":  # in process: nothing is staged
-            return None
-        if self.fault_rng.random() >= 0.3:
+        if not self.faults or self.fault_rng.random() >= 0.3:
             return None
         victim = self.fault_rng.choice(self.phys)  # of Replicas: one replica's transport
         engine = victim.adapter
+        if self.target == "inproc":  # VLLMEngine(stage=True): the trainer failing part-way
+            return self.arm_inproc_fault(stack, victim)
         transport = engine.transport
         kinds = ["trainer", "forged"]
         if self.target == "replicas" and transport.name != "gloo":
@@ -710,6 +712,28 @@ class Walk:
         stack.callback(delattr, transport, "prepare")
         self.log(f"       (fault armed: {kind} at tensor {at} of {victim.name}'s stream)")
         return f"{kind}@{at}", fired
+
+    def arm_inproc_fault(
+        self, stack: contextlib.ExitStack, victim: Any
+    ) -> tuple[str, list[int]] | None:
+        """The trainer failing part-way through producing the stream of a staged in-process
+        engine (one tensor a bucket, as for the other engines)."""
+        engine = victim.adapter
+        at = self.fault_rng.randrange(8)
+        fired: list[int] = []
+        load = engine.load_weights
+
+        def tensors(buckets):
+            for i, pair in enumerate(pair for bucket in buckets for pair in bucket):
+                if i == at:
+                    fired.append(i)
+                    raise InjectedFault(f"the trainer failed producing tensor {i}")
+                yield [pair]
+
+        engine.load_weights = lambda buckets: load(tensors(buckets))
+        stack.callback(delattr, engine, "load_weights")
+        self.log(f"       (fault armed: trainer at tensor {at} of {victim.name}'s stream)")
+        return f"trainer@{at}", fired
 
     def faulted(self, fault: str, error: BaseException, before: dict) -> None:
         """A sync a fault failed: every engine must still generate exactly what it did."""

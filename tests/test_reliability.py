@@ -255,6 +255,33 @@ def test_failure_mid_full_sync_then_strategy_recovers(plain_engine, cut):
     T.assert_matches(new, plain_engine, atol=ATOL)
 
 
+@pytest.mark.parametrize("cut", [2, 12])
+def test_a_staged_in_process_write_failing_while_produced_changes_nothing(lora_engine, cut):
+    """``VLLMEngine(stage=True)``: the trainer's side fails part-way through producing a
+    merged sync (after ``cut`` of its 16 buckets): nothing reached vLLM, so the engine serves
+    exactly what it did, its served adapter included, and the Syncer keeps its base (the next
+    step is adapter-only again, and exact). Unstaged, the same fault leaves a mix
+    (`test_failure_mid_full_sync_then_strategy_recovers`)."""
+    model = lora_model(ARCH, seed=30, config=LORA)
+    syncer = Syncer(lora_engine, train_type="lora")
+    syncer.sync(model)
+    before = copy.deepcopy(model)
+    T.perturb(model, seed=31, scale=0.3)
+    lora_engine.stage = True
+    try:
+        lora_engine.fail_after = cut
+        with pytest.raises(InjectedFault):
+            FullSync(lora="merge", bucket_bytes=SMALL_BUCKETS).sync(model, lora_engine)
+    finally:
+        lora_engine.stage = False
+    assert lora_engine.buckets_seen == cut
+    assert not lora_engine.base_discarded
+    T.assert_matches(before, lora_engine, atol=ATOL)  # base and served adapter, as they were
+    report = syncer.sync(model)
+    assert report.strategy == "AdapterSync", report  # the base was kept: adapter-only again
+    T.assert_matches(model, lora_engine, atol=ATOL)
+
+
 @pytest.fixture
 def small_policy_buckets(monkeypatch):
     """Make the policy's FullSync stream in small buckets, so a Syncer sync has many."""

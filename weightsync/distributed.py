@@ -165,8 +165,10 @@ def sync(
         The `SyncReport`, on every rank (without ``plan`` off ``src``).
 
     Raises:
-        On every rank, the same error, naming the rank it came from: a refusal while planning
-        (nothing written), or the engine's error while writing (the base is then unsynced).
+        Exception: on every rank, the same error (its class if weightsync or Python defines
+            it, else RuntimeError), naming the rank it came from: a refusal
+            while planning (nothing written), or the engine's error while writing (the base is
+            then unsynced, unless the error says nothing of the sync reached the engine).
     """
     rank = dist.get_rank()
     real: Engine | None = None

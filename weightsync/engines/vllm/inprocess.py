@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ... import timing
+from ... import errors, timing
 from ...errors import AdapterError, NoCheckpointError
 from ...plan import Adapter
 from ...wire import format as fmt
@@ -111,6 +111,17 @@ class VLLMEngine(Engine):
             framework's staleness bound + 1. The default, 1, replaces the adapter in place
             under one id. Above 1 the engine needs ``max_loras >= N`` and
             ``max_cpu_loras >= N + 1`` (`control.adapter_window`), refused here otherwise.
+        stage: produce every bucket of a weight write (casts, merges, a sharded trainer's
+            gathers) before vLLM loads the first, so a failure while producing them (a rank
+            that died mid-gather, memory a merge could not get) leaves the engine serving
+            exactly what it had, its base kept, instead of a mix of old and new layers that
+            only a full restore mends. Costs, for the length of the write, the produced
+            tensors that are not the trainer's own (casts to the engine's dtype, merged LoRA
+            weights) where the trainer holds them: up to one copy of the model in the engine's
+            dtype; nothing for a trainer that holds the engine's dtype and merges nothing. Off
+            by default: colocated on one device, that memory is what sleep mode frees. A
+            failure inside vLLM's own reload leaves a mix either way (marked lost, labelled
+            `UNKNOWN_BASE`).
     """
 
     name = "vllm"
@@ -139,9 +150,13 @@ class VLLMEngine(Engine):
         lora_id: int | None = None,
         lora_name: str = "weightsync",
         adapter_versions: int = 1,
+        stage: bool = False,
     ) -> None:
         super().__init__()
         from vllm.v1.engine.core_client import InprocClient
+
+        #: Produce every bucket before the first write (see the ``stage`` argument).
+        self.stage = stage
 
         llm_engine = llm_engine_of(llm)
         if llm_engine is None:
@@ -224,6 +239,12 @@ class VLLMEngine(Engine):
 
     # Any iterable of pairs is a bucket here (reload_checkpoint streams one from disk lazily).
     def load_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
+        if self.stage:
+            try:
+                buckets = [list(bucket) for bucket in buckets]
+            except BaseException as error:
+                errors.untouched(error)
+                raise
         self._forget_adapter()
         self._reload(weights=(pair for bucket in buckets for pair in bucket))
         return 1

@@ -44,7 +44,8 @@ class StockServerEngine(VLLMServerEngine):
     restore the layers of a reload that failed part-way (it is left paused: `broken`).
 
     Args:
-        base_url, token, allow_unauthenticated: as for `VLLMServerEngine`.
+        base_url: as for `VLLMServerEngine` (so are ``token`` and ``allow_unauthenticated``,
+            passed in ``kwargs``).
         exclusive: the caller owns the server and every sleep goes through this adapter
             (`sleep`) or is reported (`mark_asleep`), so an adapter-only sync may follow a
             sync. Without it the base counts as lost at every sync.
