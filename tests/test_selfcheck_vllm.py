@@ -47,7 +47,7 @@ def assert_walked(report, levels, strategies):
     assert [s.sleep_level for s in steps] == levels
     assert [s.sleep for s in steps] == ["simulated" if lv else "none" for lv in levels]
     assert [s.strategy for s in steps] == strategies
-    assert all(s.tokens_equal and s.mean_gap <= s.tolerance.mean for s in steps)
+    assert all(s.tokens == "equal" and s.mean_gap <= s.tolerance.mean for s in steps)
     assert all(s.stale_gap > s.tolerance.mean for s in steps), str(report)
     assert all(s.sync_seconds and s.sync_seconds > 0 and s.bytes for s in steps)
 
