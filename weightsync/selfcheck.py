@@ -226,6 +226,7 @@ def walk(
 
     syncer = Syncer(engine, train_type=train_type)
     report = Report(setup=dict(setup or {}))
+    report.setup.setdefault("engine", f"{engine.facts.architecture}, {engine.dtype}")
     report.setup.setdefault("sleep", "real" if real else "simulated (no sleep mode on this engine)")
     report.setup.setdefault(
         "tolerance", f"mean gap {limit.mean:g}, max gap {limit.max:g} ({engine.dtype})"
