@@ -123,3 +123,19 @@ def test_a_change_behind_weightsyncs_back_is_reported_not_exact(
     monkeypatch.setattr(selfcheck, "run", lambda *args, **kwargs: report)
     assert selfcheck.main([checkpoint]) == 1
     assert "NOT EXACT" in capsys.readouterr().out
+
+
+def test_bad_input_is_refused_before_an_engine_starts(checkpoint, monkeypatch, capsys):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started for a refused input")
+
+    monkeypatch.setattr(selfcheck, "_engine", no_engine)
+    with pytest.raises(SystemExit):
+        selfcheck.main([checkpoint, "--sleep-levels", "0,3"])
+    assert "--sleep-levels: a comma-separated list of 0, 1, 2" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="train_type must be 'full' or 'lora', got 'dense'"):
+        selfcheck.run(checkpoint, train_type="dense")
+    with pytest.raises(ValueError, match=r"sleep_levels must be 0, 1 or 2 .*got \[3\]"):
+        selfcheck.run(checkpoint, sleep_levels=[3])
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        selfcheck.run(checkpoint, steps=0)

@@ -176,6 +176,13 @@ def sleeps_for_real(engine: Engine) -> bool:
     return bool(config is not None and config.model_config.enable_sleep_mode)
 
 
+def _check_walk(sleep_levels: Sequence[int], steps: int) -> None:
+    if not sleep_levels or any(level not in (0, 1, 2) for level in sleep_levels):
+        raise ValueError(f"sleep_levels must be 0, 1 or 2 (vLLM has no other), got {sleep_levels}")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+
+
 def walk(
     model: nn.Module,
     engine: Engine,
@@ -206,10 +213,7 @@ def walk(
     """
     from .engines import VLLMEngine
 
-    if not steps or any(level not in (0, 1, 2) for level in sleep_levels) or not sleep_levels:
-        raise ValueError(
-            f"sleep_levels must be 0, 1 or 2 and steps >= 1, got {sleep_levels}, {steps}"
-        )
+    _check_walk(sleep_levels, steps)
     real = sleeps_for_real(engine)
     if 2 in sleep_levels and not real and not isinstance(engine, VLLMEngine):
         raise ValueError(
@@ -330,32 +334,36 @@ def run(
 
     if train_type not in ("full", "lora"):
         raise ValueError(f"train_type must be 'full' or 'lora', got {train_type!r}")
+    _check_walk(sleep_levels, steps)  # before an engine starts
     serve = train_type == "lora" and lora_served
     real = current_platform.is_sleep_mode_available() and any(sleep_levels)
     options: dict[str, Any] = dict(dtype=dtype, enable_sleep_mode=real, **(engine_args or {}))
     if serve:
         options.update(enable_lora=True, max_lora_rank=_lora_rank(lora_r))
     engine = _engine(checkpoint, tp, options)
-    model = _trainer_model(
-        checkpoint, train_type, trainer_dtype, lora_r, lora_alpha or 2 * lora_r, lora_target_modules
-    )
-    setup = {
-        "checkpoint": checkpoint,
-        "engine": f"{engine.facts.architecture}, {engine.dtype}, tensor parallel {tp}, "
-        f"vLLM {vllm.__version__} on {current_platform.device_type or 'cpu'}",
-        "trainer": (
-            "full training"
-            if train_type == "full"
-            else f"LoRA r={lora_r} on {lora_target_modules}, "
-            + ("served by the engine" if serve else "merged into the weights")
-        )
-        + f", {trainer_dtype} on {next(model.parameters()).device}",
-        "sleep": "real (vLLM sleep mode)"
-        if real
-        else "simulated: this device has no vLLM sleep mode; vLLM's sleep call moves no memory, "
-        "a level-2 discard overwrites every weight with garbage",
-    }
     try:
+        model = _trainer_model(
+            checkpoint,
+            train_type,
+            trainer_dtype,
+            lora_r,
+            lora_alpha or 2 * lora_r,
+            lora_target_modules,
+        )
+        trainer = "full training"
+        if train_type == "lora":
+            adapter = "served by the engine" if serve else "merged into the weights"
+            trainer = f"LoRA r={lora_r} on {lora_target_modules}, {adapter}"
+        setup = {
+            "checkpoint": checkpoint,
+            "engine": f"{engine.facts.architecture}, {engine.dtype}, tensor parallel {tp}, "
+            f"vLLM {vllm.__version__} on {current_platform.device_type or 'cpu'}",
+            "trainer": f"{trainer}, {trainer_dtype} on {next(model.parameters()).device}",
+            "sleep": "real (vLLM sleep mode)"
+            if real
+            else "simulated: this device has no vLLM sleep mode; vLLM's sleep call moves no "
+            "memory, a level-2 discard overwrites every weight with garbage",
+        }
         return walk(
             model,
             engine,
