@@ -2,14 +2,17 @@
 a long RL job -- your vLLM build, your device, your model, your sleep levels.
 
 It walks the lifecycle your configuration implies, step by step, as a framework drives it: a
-real optimizer step on the trainer's model (transformers, with a PEFT LoRA adapter if asked;
-a random batch: the point is that the weights move), vLLM's own sleep at the step's level, the
-wake of the weights, the sync a `Syncer` chooses (`weightsync.policy.choose`, and the base
-restore it puts in place of an adapter sync whose base is unproven), the wake of the KV cache,
-then the check: the engine's greedy tokens equal the trainer's, and its logprobs on the canary
-prompts are within the engine's tolerance (`weightsync.verify.canary_gap`,
-`weightsync.verify.tolerance_for`: the check ``verify=True`` makes). It reports every step,
-exact or not, with its figures, and exits non-zero if any step is not exact.
+real optimizer step on the trainer's model (transformers, with a PEFT LoRA adapter if asked; a
+random batch: the point is that the weights move); the canary gap of the engine still holding
+the last step's weights (the *stale gap*: what the check would see had the sync been skipped);
+vLLM's own sleep at the step's level and the wake of the weights; the sync a `Syncer` chooses
+(`weightsync.policy.choose`, or the base restore it puts in place of an adapter sync whose base
+is unproven); the wake of the KV cache; then the check: the engine's greedy tokens equal the
+trainer's (or, on a half-precision engine, part at a near tie: `StepResult.tokens`), and its
+logprobs on the canary prompts are within the engine's tolerance
+(`weightsync.verify.canary_gap`, `weightsync.verify.tolerance_for`: the check ``verify=True``
+makes). It reports every step, exact or not, with its figures, and exits non-zero if any step
+is not exact.
 
 Where the device has no sleep mode (vLLM's is CUDA/ROCm/XPU only; on vLLM-CPU ``sleep`` moves no
 memory), vLLM's sleep call is still made, a level-2 discard is simulated by overwriting every
