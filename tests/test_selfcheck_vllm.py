@@ -75,6 +75,7 @@ def test_dense_checkpoint_through_the_command(checkpoint, tmp_path, capsys):
 
 
 def test_lora_served(checkpoint, lora_engine):
+    lora_engine.sleep(1)  # as TRL leaves its engine: the walk wakes it, or its canaries would hang
     report = selfcheck.walk(
         lora_model(checkpoint), lora_engine, train_type="lora", sleep_levels=[0, 1, 2], steps=3
     )

@@ -238,6 +238,8 @@ def walk(
     report.setup.setdefault(
         "tolerance", f"mean gap {limit.mean:g}, max gap {limit.max:g} ({engine.dtype})"
     )
+    if engine.asleep:  # a framework's engine may be asleep (TRL sleeps it in its __init__):
+        engine.wake_up()  # the canaries would wait forever on vLLM's paused scheduler
     for step in range(steps):
         level = sleep_levels[step % len(sleep_levels)]
         train_step(model, step)
