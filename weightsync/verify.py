@@ -267,6 +267,21 @@ def score_diffs(
     return sum(diffs) / len(diffs), max(diffs)
 
 
+def canary_gap(model: nn.Module, engine: Engine, *, strict: bool = True) -> tuple[float, float]:
+    """(mean, largest) ``|engine - trainer|`` on the canary prompts: the two statistics
+    `check_engine` holds against the tolerance (`score_diffs` of the engine's scores and
+    `reference_logprobs`; ``strict`` as there). For a caller that reports the figures whether
+    or not they pass (``python -m weightsync.selfcheck``); the engine's KV cache must be awake.
+    """
+    peft_or_plain: Any = model  # a transformers model, or a peft.PeftModel around one
+    config = getattr(model, "config", None) or peft_or_plain.get_base_model().config
+    prompts = canary_prompts(config.vocab_size)
+    return score_diffs(
+        engine.score_batch(prompts, TOP_K),
+        reference_logprobs(model, engine, prompts, strict=strict),
+    )
+
+
 def check_engine(
     model: nn.Module,
     engine: Engine,
@@ -293,13 +308,7 @@ def check_engine(
             "'weights', sync, wake 'kv_cache') sync without verify and call check_engine after."
         )
     limit = tolerance or tolerance_for(engine)
-    peft_or_plain: Any = model  # a transformers model, or a peft.PeftModel around one
-    config = getattr(model, "config", None) or peft_or_plain.get_base_model().config
-    prompts = canary_prompts(config.vocab_size)
-    mean, largest = score_diffs(
-        engine.score_batch(prompts, TOP_K),
-        reference_logprobs(model, engine, prompts, strict=tolerance is None),
-    )
+    mean, largest = canary_gap(model, engine, strict=tolerance is None)
     if not (mean <= limit.mean and largest <= limit.max):  # NaN fails too
         # The engine does not serve what was sent: keep no record of it, so that the next sync
         # restores every weight instead of skipping the ones it believes unchanged.
