@@ -16,6 +16,7 @@ conditions:
 
     bash .ci/env python -m benchmarks.alarm                     # fp32 and bf16 engines
     bash .ci/env python -m benchmarks.alarm --rounds 20 --out /tmp/alarm.json
+    bash .ci/env python -m benchmarks.alarm --dtypes bfloat16+fp8_per_channel  # a quantized engine
 
 The TRL rows (a real GRPOTrainer, healthy and with every sync after the first skipped) are
 `tests/test_alarm_vllm.py`'s; this module holds the pieces both use.
@@ -121,9 +122,13 @@ def step_on(model, prompts, completions, max_tokens, lr, seed) -> None:
 
 
 def run(dtype: str, rounds: int, lrs: list[float], folder: str) -> dict[str, Any]:
-    """Every condition of the module docstring, ``rounds`` times, on one engine of ``dtype``."""
+    """Every condition of the module docstring, ``rounds`` times, on one engine of ``dtype``
+    (``<dtype>+<vLLM quantization>``, e.g. ``bfloat16+fp8_per_channel``: a quantized engine;
+    the trainer stays in float32, so its healthy gap holds the quantization's rounding)."""
+    dtype_name, _, quantization = dtype.partition("+")
+    options = {"quantization": quantization} if quantization else {}
     checkpoint = T.save_checkpoint(T.tiny_model("llama", seed=0), f"{folder}/{dtype}")
-    engine = VLLMEngine(T.make_llm(checkpoint, dtype=dtype))
+    engine = VLLMEngine(T.make_llm(checkpoint, dtype=dtype_name, **options))
     bound = tolerance_for(engine).mean
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(12)] for i in range(8)]
     n = 16  # tokens per completion

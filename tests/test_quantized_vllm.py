@@ -157,6 +157,23 @@ def test_online_fp8_verify_passes_correct_and_catches_a_stale_weight(fp8, traine
         check_engine(trained, engine, strategy="stale")
 
 
+def test_the_rollout_alarm_needs_a_measured_bound_on_a_quantized_engine(fp8, trained, caplog):
+    """The alarm compares the engine with the unquantized trainer, so a healthy batch carries
+    the quantization's rounding (FP8: 4 of 5 healthy batches alarmed at the verification
+    tolerance, docs/failure-modes.md): no default bound; an integration turns the alarm off
+    saying so, and takes the caller's own `RolloutAlarm`."""
+    from weightsync.alarm import RolloutAlarm, trainer_alarm
+
+    engine, _ = fp8
+    with pytest.raises(ValueError, match=r"needs bound= .* quantizes \(fp8_per_channel\)"):
+        RolloutAlarm(engine=engine)
+    with caplog.at_level("WARNING", logger="weightsync.alarm"):
+        assert trainer_alarm(trained, engine, "log") is None
+    assert "the rollout alarm is off: the engine quantizes (fp8_per_channel)" in caplog.text
+    own = RolloutAlarm(bound=0.2)
+    assert trainer_alarm(trained, engine, own) is own
+
+
 @pytest.fixture(scope="module")
 def fp8_lora(tmp_path_factory, base, lora):
     """An online-fp8 engine serving LoRA, started from ``lora``'s base; its oracle: what it

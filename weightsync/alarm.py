@@ -11,7 +11,10 @@ while kernel rounding averages out over a batch: the **mean** over the batch's t
 compared with the bound, as `weightsync.verify` does for its canary.
 
 The bound is the engine's verification tolerance (`weightsync.verify.tolerance_for`): it was set
-between a correct sync and a one-step-stale one per dtype and quantization. How sampled tokens
+between a correct sync and a one-step-stale one per dtype. Not for an engine that quantizes: the
+verification compares it with a reference that quantizes as it does, the alarm with the trainer,
+which does not, so a healthy batch carries the quantization's rounding (measured: it alarmed 4
+of 5 healthy FP8 batches); there the caller passes a bound measured on its model. How sampled tokens
 of real GRPO runs score against it (healthy, one step stale, a corrupted layer; the false-alarm
 rate): docs/failure-modes.md, "The rollout alarm" (``python -m benchmarks.alarm``).
 
@@ -147,12 +150,17 @@ def trainer_dropout(model: nn.Module) -> str | None:
     return None
 
 
+Mode = Literal["log", "raise", "off"]
+
+
 def trainer_alarm(
-    model: nn.Module, engine: object, mode: Literal["log", "raise", "off"]
+    model: nn.Module, engine: object, mode: Mode | RolloutAlarm
 ) -> RolloutAlarm | None:
-    """The alarm a trainer integration installs (``mode``: log an alarm, raise it, or none), or
-    None: ``mode="off"``, or the trainer's forward has dropout (`trainer_dropout`; a warning
-    says so, since the check the user asked for does not run)."""
+    """The alarm a trainer integration installs (``mode``: log an alarm, raise it, none, or the
+    caller's own `RolloutAlarm`, e.g. with a bound measured for a quantized engine), or None:
+    ``mode="off"``, the trainer's forward has dropout (`trainer_dropout`), or the engine
+    quantizes and no bound was given (a warning says so, since the check the user asked for
+    does not run)."""
     if mode == "off":
         return None
     noise = trainer_dropout(model)
@@ -164,7 +172,30 @@ def trainer_alarm(
             noise,
         )
         return None
+    if isinstance(mode, RolloutAlarm):
+        return mode
+    quantized = engine_quantization(engine)
+    if quantized is not None:
+        logger.warning(
+            "weightsync: the rollout alarm is off: the engine quantizes (%s), so a healthy "
+            "batch differs from the trainer's unquantized logprobs by the quantization's own "
+            "rounding, which no fixed bound separates from a stale step on every model; "
+            "measure a healthy batch's gap and pass alarm=RolloutAlarm(bound=...) about 1.5x "
+            "above it",
+            quantized,
+        )
+        return None
     return RolloutAlarm(engine=engine, raise_on_alarm=mode == "raise")
+
+
+def engine_quantization(engine: object) -> str | None:
+    """What ``engine`` quantizes (its weights' method, or its KV cache's dtype), or None."""
+    from .engines.base import adapt
+
+    q = adapt(engine).facts.quantized
+    if q is None or (q.method == "none" and q.kv_cache == "auto"):
+        return None
+    return q.method if q.method != "none" else f"KV cache {q.kv_cache}"
 
 
 class RolloutAlarm:
@@ -173,12 +204,16 @@ class RolloutAlarm:
 
     Args:
         bound: the bound on the mean gap; default: the engine's verification tolerance
-            (`weightsync.verify.tolerance_for`), which needs ``engine``.
+            (`weightsync.verify.tolerance_for`), which needs ``engine``. An engine that
+            quantizes has no default: its healthy gap is the quantization's rounding against
+            the unquantized trainer (FP8 per channel: 0.12-0.14 on a tiny model, a step of
+            lr 1e-4 0.18-0.21), model-dependent; measure it.
         engine: the engine the rollouts come from (for the default bound).
         raise_on_alarm: raise `StaleRolloutError` on an alarm instead of only logging it.
 
     Raises:
-        ValueError: neither ``bound`` nor ``engine`` given.
+        ValueError: neither ``bound`` nor ``engine`` given, or ``engine`` quantizes and no
+            ``bound`` is given.
     """
 
     def __init__(
@@ -190,6 +225,14 @@ class RolloutAlarm:
             from .engines.base import adapt
             from .verify import tolerance_for
 
+            quantized = engine_quantization(engine)
+            if quantized is not None:
+                raise ValueError(
+                    f"RolloutAlarm needs bound= for an engine that quantizes ({quantized}): a "
+                    "healthy batch differs from the trainer's unquantized logprobs by the "
+                    "quantization's rounding (docs/failure-modes.md, 'The rollout alarm'); "
+                    "measure a healthy batch's gap and pass a bound about 1.5x above it"
+                )
             bound = tolerance_for(adapt(engine)).mean
         self.bound = bound
         self.raise_on_alarm = raise_on_alarm

@@ -37,7 +37,10 @@ TUNER_TYPES = ("full", "lora")
 
 
 def use_weightsync(
-    trainer: Any, *, verify: bool | None = None, alarm: Literal["log", "raise", "off"] = "log"
+    trainer: Any,
+    *,
+    verify: bool | None = None,
+    alarm: Literal["log", "raise", "off"] | RolloutAlarm = "log",
 ) -> Syncer:
     """Route ms-swift ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
@@ -57,9 +60,11 @@ def use_weightsync(
             the trainer's of the same tokens, where swift computes its off-policy metrics
             (turned on, ``log_rollout_offpolicy_metrics``). ``"log"``: a warning on an alarm
             and the metrics ``weightsync_rollout_logp_gap`` / ``weightsync_rollout_alarm``
-            among swift's ``rollout_correction`` ones; ``"raise"``: `StaleRolloutError`. Off,
-            with a warning, when the trainer's forward has dropout (swift's default
-            ``lora_dropout=0.05``: `weightsync.alarm.trainer_dropout`).
+            among swift's ``rollout_correction`` ones; ``"raise"``: `StaleRolloutError`; a
+            `RolloutAlarm`: that one (its own bound). Off, with a warning, when the trainer's
+            forward has dropout (swift's default ``lora_dropout=0.05``:
+            `weightsync.alarm.trainer_dropout`), or the engine quantizes and no `RolloutAlarm`
+            with a measured bound is given (`weightsync.alarm.trainer_alarm`).
 
     Returns:
         The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine` on swift's

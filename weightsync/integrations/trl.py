@@ -51,7 +51,7 @@ def use_weightsync(
     token: str | None = None,
     transport: str | Transport = "tmpfs",
     allow_unauthenticated: bool = False,
-    alarm: typing.Literal["log", "raise", "off"] = "log",
+    alarm: typing.Literal["log", "raise", "off"] | RolloutAlarm = "log",
 ) -> Syncer:
     """Route ``trainer``'s vLLM weight sync through a weightsync `Syncer`.
 
@@ -88,8 +88,10 @@ def use_weightsync(
             (``vllm_importance_sampling_correction=True``, TRL's default; without it there is
             nothing free to compare and no check runs). ``"log"``: a warning on an alarm, and
             the metrics ``weightsync/rollout_logp_gap`` and ``weightsync/rollout_alarm`` in
-            TRL's logs; ``"raise"``: `StaleRolloutError` instead of the warning. Off, with a
-            warning, when the trainer's forward has dropout (`weightsync.alarm.trainer_dropout`).
+            TRL's logs; ``"raise"``: `StaleRolloutError` instead of the warning; a
+            `RolloutAlarm`: that one (its own bound). Off, with a warning, when the trainer's
+            forward has dropout (`weightsync.alarm.trainer_dropout`), or the engine quantizes
+            and no `RolloutAlarm` with a measured bound is given (`alarm.trainer_alarm`).
 
     Returns:
         The `Syncer` now used by every sync (``.engine`` is the `VLLMEngine`, or the
