@@ -39,7 +39,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="0.5b",
-        help="shape (tiny, tiny4, 0.5b, 1.5b) or a folder with config.json + *.safetensors",
+        help="shape (tiny, tiny4, 0.5b, 1.5b, 3b) or a folder with config.json + *.safetensors",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per row, after one warm-up")
     p.add_argument("--out", type=Path, default=None, help="output folder")

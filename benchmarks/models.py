@@ -53,6 +53,14 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=2,
         vocab_size=151936,
     ),
+    "3b": dict(  # Qwen2.5-3B's shape: the size sweep's largest on a 24 GB machine
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
 }
 # Untied twins, Llama architecture: the same layer shapes without tied embeddings, so lm_head is
 # a weight of its own on disk and in vLLM. On these, FullSync and vLLM's reload from the

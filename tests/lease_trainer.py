@@ -9,7 +9,13 @@ with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at 
   broadcast to the workers' stages, before the pause;
 - ``paused``: right after the server answered ``/pause``;
 - ``applied``: right after the workers loaded every file, before the prefix-cache reset and
-  ``/resume``.
+  ``/resume``;
+- ``random-tmpfs:<seed>`` / ``random-gloo:<seed>``: at a random moment of the sync (seeded):
+  a second sync of the model the server already holds (the first connects) measures how long
+  one takes, ``d``; the
+  next sync, of the new model, is killed after a delay drawn from ``[0, 1.2 d)`` -- while
+  staging, inside the pause or, past the end, after the sync (then ``SYNCED`` is printed
+  first and the trainer waits for its kill).
 
 It prints ``PID <pid>`` first, so the test knows whose scratch folders to look for.
 """
@@ -17,8 +23,11 @@ It prints ``PID <pid>`` first, so the test knows whose scratch folders to look f
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
+import threading
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,8 +46,29 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(url: str, checkpoint: str, point: str) -> None:
+def killed_at_random(url: str, old: str, new: str, transport: str, seed: int) -> None:
+    load = AutoModelForCausalLM.from_pretrained
+    engine = VLLMServerEngine(url, transport=GlooTransport() if transport == "gloo" else "tmpfs")
+    sync = FullSync(skip_unchanged=False)
+    served = load(old, torch_dtype=torch.float32).eval()  # what the server holds: unchanged
+    sync.sync(served, engine)  # connects the transport
+    start = time.monotonic()
+    sync.sync(served, engine)
+    took = time.monotonic() - start
+    model = load(new, torch_dtype=torch.float32).eval()
+    delay = random.Random(seed).uniform(0.0, 1.2 * took)
+    print(f"KILL after {delay:.3f} s of a {took:.3f} s sync", flush=True)
+    threading.Timer(delay, die).start()
+    sync.sync(model, engine)
+    print("SYNCED", flush=True)
+    time.sleep(3600)  # the timer kills it
+
+
+def main(url: str, checkpoint: str, point: str, old: str = "") -> None:
     print(f"PID {os.getpid()}", flush=True)
+    if point.startswith("random-"):
+        transport, _, seed = point.removeprefix("random-").partition(":")
+        return killed_at_random(url, old, checkpoint, transport, int(seed))
     model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
     if point == "staging":
         prepare = TmpfsTransport.prepare
@@ -82,4 +112,4 @@ def main(url: str, checkpoint: str, point: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
