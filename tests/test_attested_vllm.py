@@ -108,6 +108,33 @@ def test_a_reported_level_2_sleep_skips_nothing(llms, engine, entry):
     T.assert_matches(model, engine, atol=ATOL)
 
 
+@pytest.mark.parametrize("how", ["full", "served"])
+def test_a_write_no_vllm_call_saw_is_attested_by_content(llms, engine, lora_engine, how):
+    """Garbage straight into the engine's parameter memory (``apply_model``: no vLLM call, no
+    report): the worker's seal of its weights changed without an event, so the engine attests
+    harm 2 by itself -- a full sync skips nothing, a served adapter's base is restored -- and
+    the sync is exact."""
+    if how == "full":
+        model = frozen_embeddings()
+        synced_twice(model, engine)
+        scribble(llms["a"])
+        T.perturb(model, seed=13)
+        report = FullSync().sync(model, engine)
+        assert report.plan.skipped == ()
+        T.assert_matches(model, engine, atol=ATOL)
+        return
+    model = lora()
+    syncer = Syncer(lora_engine, train_type="lora")
+    syncer.sync(model)
+    T.perturb(model, seed=14, scale=0.3)
+    assert syncer.sync(model).strategy == "AdapterSync"  # nothing happened: adapter alone
+    scribble(llms["lora"])
+    T.perturb(model, seed=15, scale=0.3)
+    report = syncer.sync(model)
+    assert report.strategy == "FullSync(lora=separate)", report.reason
+    T.assert_matches(model, lora_engine, atol=ATOL)
+
+
 def test_a_reported_level_2_sleep_skips_no_merged_base(llms, engine):
     """The same with LoRA merged: the untargeted frozen base (embeddings, norms, k_proj...)."""
     model = lora()

@@ -88,9 +88,14 @@ def test_a_change_behind_weightsyncs_back_is_reported_not_exact(
     checkpoint, lora_engine, monkeypatch, capsys
 ):
     """After step 0, the engine's embeddings are overwritten in its parameter memory through
-    vLLM itself (``LLM.apply_model``), a write no vLLM call records: the adapter sync of step 1
-    proves its base by the engine's attested epoch, which did not move, and sends only the
-    adapter. The engine then serves a wrong base, and only the check sees it."""
+    vLLM itself (``LLM.apply_model``), a write no vLLM call records, and one the engine's seal
+    does not see either (switched off here: it stands for a write that misses every sampled
+    element): the adapter sync of step 1 proves its base by the engine's attested epoch, which
+    did not move, and sends only the adapter. The engine then serves a wrong base, and only the
+    check sees it."""
+    from weightsync.engines.vllm.in_engine import ledger
+
+    monkeypatch.setattr(ledger, "seal", lambda model: b"")
     model = lora_model(checkpoint)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 

@@ -20,8 +20,12 @@ engine's version (``weights_version``) moves with every adapter write, not only 
 The trainer reads the epoch after each write it completes (`attest`); later it asks for the
 harm *since* that epoch. A restarted engine has a new ``boot`` id, and a log that no longer
 reaches back that far counts as harm 2: what cannot be shown to be intact is assumed lost.
-What is not seen: a caller writing parameter memory directly (``param.data.copy_`` inside
-``apply_model``), which goes through no vLLM call (docs/engines.md says so).
+A write that goes through no vLLM call (``param.data.copy_`` inside ``apply_model``, another
+library holding the tensors) is found by content: each worker keeps a *seal* of its weights --
+a digest of 64 evenly spaced elements of every parameter -- taken at the first report after
+each recorded event, and checks it at every report while the weights are awake; a seal that
+changed without an event is logged as harm 2 (an unseen write). Not seen: a write that changes
+none of the sampled elements (docs/failure-modes.md says so).
 
 The ledger is installed the first time a trainer asks (`attest`), by wrapping those methods on
 the worker, its model runner and its model (vLLM resolves ``collective_rpc`` method names on the
@@ -29,18 +33,24 @@ instance, so the wrappers see every caller). If the engine is asleep when it is 
 sleep's level is unknown and is logged as harm 2.
 
 This module runs inside vLLM's workers (and in the trainer's process for an in-process engine);
-it imports only the standard library.
+it imports only the standard library and torch.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import uuid
 from collections import deque
 from typing import Any
 
+import torch
+
 #: Log length per worker; a trainer asking about an older epoch is told harm 2.
 LOG_SIZE = 4096
+
+#: Elements of each parameter the seal samples.
+SEAL_SAMPLES = 64
 
 #: Worker and model-runner methods that change or may lose the weights, and their harm.
 _WORKER_METHODS = {
@@ -59,6 +69,7 @@ class Ledger:
         self.epoch = 0
         self.adapters = 0
         self.log: deque[tuple[int, int]] = deque(maxlen=LOG_SIZE)
+        self.seal: bytes | None = None
         self.asleep: set[str] = set()
         if asleep:  # slept before anyone watched: the level is unknown
             self.record(2)
@@ -67,6 +78,15 @@ class Ledger:
     def record(self, harm: int) -> None:
         self.epoch += 1
         self.log.append((self.epoch, harm))
+        self.seal = None  # taken again at the next report, after the event
+
+    def check_seal(self, model: Any) -> None:
+        """Seal ``model``'s weights if no seal was taken since the last event; else log harm 2
+        if they changed since (a write no vLLM call saw)."""
+        now = seal(model)
+        if self.seal is not None and now != self.seal:
+            self.record(2)
+        self.seal = now
 
     def report(self, since: list[Any] | None) -> dict[str, Any]:
         """This worker's boot, epoch, sleeping tags, adapter writes, and the worst harm logged
@@ -86,6 +106,58 @@ class Ledger:
             "harm": harm,
             "adapters": self.adapters,
         }
+
+
+def seal(model: Any) -> bytes:
+    """A digest of ``SEAL_SAMPLES`` evenly spaced elements of every parameter of ``model`` (as
+    stored, bytes, any dtype or device; a tensor subclass by its inner tensors) and of their
+    names: one ``take`` a tensor, so it runs at every report."""
+    names: list[str] = []
+    samples: dict[tuple[torch.dtype, Any], list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        for t in _plain(p.detach()):
+            if t.numel() == 0:
+                continue
+            if t.element_size() == 1:  # fp8 and int8 kinds: ``take`` need not support them
+                t = t.view(torch.uint8)
+            t = torch.take(t, _index(t.numel(), t.device))
+            samples.setdefault((t.dtype, t.device), []).append(t)
+        names.append(name)
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16)
+    for group in samples.values():
+        digest.update(torch.cat(group).cpu().view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+def _index(n: int, device: Any) -> torch.Tensor:
+    """``SEAL_SAMPLES`` evenly spaced positions in ``n`` elements (integer arithmetic: a float
+    linspace rounds past the end of a large tensor), kept per size and device."""
+    index = _INDICES.get((n, device))
+    if index is None:
+        count = min(n, SEAL_SAMPLES)
+        steps = torch.arange(count, dtype=torch.int64, device=device)
+        index = _INDICES[(n, device)] = steps * (n - 1) // max(count - 1, 1)
+    return index
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a tensor subclass's inner tensors
+    (torchao's quantized weights: their data and scales, by ``__tensor_flatten__``)."""
+    if not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [plain for name in names for plain in _plain(getattr(t, name))]
+
+
+_INDICES: dict[tuple[int, Any], torch.Tensor] = {}
+
+
+def _model(worker: Any) -> Any:
+    runner = getattr(worker, "model_runner", worker)
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if get_model is not None else getattr(runner, "model", None)
 
 
 def worker_of(obj: Any) -> Any:
@@ -112,9 +184,7 @@ def _wrap(owner: Any, method: str, ledger: Ledger, harm: int) -> None:
 
 
 def _watch_model(owner: Any, ledger: Ledger) -> None:
-    runner = getattr(owner, "model_runner", owner)
-    get_model = getattr(runner, "get_model", None)
-    model = get_model() if get_model is not None else getattr(runner, "model", None)
+    model = _model(owner)
     if model is not None:
         _wrap(model, "load_weights", ledger, 2)
 
@@ -176,6 +246,9 @@ def attest(obj: Any, since: list[list[Any]] | None = None, asleep: bool = False)
     None. The worker extension exposes it as ``weightsync_attest``."""
     worker = worker_of(obj)
     ledger = _ledger(worker, asleep)
+    model = _model(worker)
+    if not asleep and "weights" not in ledger.asleep and model is not None:
+        ledger.check_seal(model)
     rank = int(getattr(worker, "rank", 0) or 0)
     mine = since[rank] if since is not None and rank < len(since) else None
     return ledger.report(mine)
