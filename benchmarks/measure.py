@@ -118,14 +118,18 @@ def measure(
 
 def timed_runs(sync: Any, model: Any, engine: Any, runs: int) -> dict[str, Any]:
     """A warm-up sync, then ``runs`` timed ones (``sync.sync(model, engine)``): their median,
-    min and max seconds (each sync's own `SyncReport.seconds`) and the bytes one sends."""
+    min and max seconds (each sync's own `SyncReport.seconds`), the median pause window
+    (`SyncReport.pause_seconds`; None for an engine a sync does not pause) and the bytes one
+    sends."""
     sync.sync(model, engine)  # warm-up
     reports = [sync.sync(model, engine) for _ in range(runs)]
     seconds = [r.seconds for r in reports]
+    pauses = [r.pause_seconds for r in reports if r.pause_seconds is not None]
     return {
         "median_s": statistics.median(seconds),
         "min_s": min(seconds),
         "max_s": max(seconds),
+        "pause_s": statistics.median(pauses) if pauses else None,
         "bytes": reports[-1].bytes,
     }
 

@@ -6,7 +6,8 @@ FullSync, in one run.
 A two-node Ray cluster on this machine (loopback, ``ray_cluster``), the trainer its driver on
 the first node; one actor on each node holding a bf16 ``vllm.LLM`` of the model. Rows, each the
 median (min-max) of ``--runs`` full syncs after a warm-up, the engine checked against the
-trainer after the last (``verify.check_engine``):
+trainer after the last (``verify.check_engine``), with the median pause window beside it
+(`SyncReport.pause_seconds`: how long the engine answered nothing; none in process):
 
 - in process: `VLLMEngine` in this process (the reference), run first, then released;
 - Ray, same node: bytes through the object store's shared memory;
@@ -54,9 +55,10 @@ def _row(label: str, sync, model, engine, runs: int) -> dict:
     from .measure import verified_row
 
     row = verified_row(label, sync, model, engine, runs)
+    pause = "-" if row["pause_s"] is None else f"{row['pause_s']:.3f}"
     print(
         f"| {label} | {row['median_s']:.3f} ({row['min_s']:.3f}-{row['max_s']:.3f}) "
-        f"| {row['bytes'] / 1e9:.2f} GB |",
+        f"| {pause} | {row['bytes'] / 1e9:.2f} GB |",
         flush=True,
     )
     return row
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     kv = 256 << 20
     rows = []
     print(f"# FullSync into vLLM in Ray actors: {spec.name}, {args.runs} runs after a warm-up")
-    print("| sync | s median (min-max) | bytes sent |")
-    print("|---|---|---|")
+    print("| sync | s median (min-max) | pause s (median) | bytes sent |")
+    print("|---|---|---|---|")
     local = VLLMEngine(T.make_llm(spec.checkpoint, dtype=dtype, kv_cache_bytes=kv))
     rows.append(_row("in process (VLLMEngine)", sync, model, local, args.runs))
     del local

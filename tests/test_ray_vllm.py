@@ -37,7 +37,12 @@ from weightsync import AdapterSync, Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, adapt
 from weightsync.engines.vllm.control import base_label
-from weightsync.errors import BytesRejectedError, EngineUnavailableError, WeightSyncError
+from weightsync.errors import (
+    BytesRejectedError,
+    EngineUnavailableError,
+    WeightMismatchError,
+    WeightSyncError,
+)
 from weightsync.strategies import FullSync
 from weightsync.wire import format as fmt
 from weightsync.wire import scratch
@@ -55,7 +60,7 @@ from weightsync.engines.vllm.ray import (
     RayVLLMEngine,
     WeightsyncActor,
 )
-from weightsync.engines.vllm.ray.actor import LOAD_STREAM
+from weightsync.engines.vllm.ray.actor import STAGE
 from weightsync.wire import stream
 from weightsync.wire.stream import Kind
 
@@ -177,22 +182,22 @@ def test_facts_and_epoch_come_from_the_actors_workers(engines, actors):
 
 
 def _stream(engine, entries, key):
-    """Entries put straight into a stream's channel, then the engine's load call on it."""
+    """Entries put straight into a stream's channel, then the actor's stage call on it."""
     from ray.util.queue import Queue
 
     channel = Queue(actor_options={"num_cpus": 0})
     try:
         for entry in entries:
             channel.put(entry)
-        engine.rpc(LOAD_STREAM, {"channel": channel, "key": key})
+        engine.rpc(STAGE, {"channel": channel, "key": key})
     finally:
         channel.shutdown(force=True)
 
 
 def test_a_stream_altered_in_the_store_or_cut_short_is_refused(engines):
-    """A bucket whose bytes are not the trainer's is refused before it is loaded (the first
-    one: before the engine is touched); so is a stream whose end does not carry the trainer's
-    count (an entry dropped, or the end forged)."""
+    """A bucket whose bytes are not the trainer's is refused as it is staged; so is a stream
+    whose end does not carry the trainer's count (an entry dropped, or the end forged): nothing
+    is loaded."""
     a = engines[0]
     bucket = [(n, torch.zeros(s)) for n, s in list(a.expected_weights.items())[:2]]
     payload = fmt.pack(bucket).numpy()
@@ -519,6 +524,128 @@ def test_labels_of_rollouts_in_flight_in_an_async_actor(async_actor):
         engine.close()
 
 
+# --- a sync staged, then committed: a failed stage leaves the old weights ----------------------
+
+
+def _faulty(fault: str):
+    """A transport's ``prepare`` wrapper: the stream one tensor a frame, and ``fault`` after
+    five tensors were staged -- the trainer raises (``"trainer"``), a tensor the model lacks
+    (``"name"``), or a weight at a shape the engine does not load (``"shape"``); ``""``: none."""
+
+    def tensors(buckets):
+        for i, (name, tensor) in enumerate(pair for bucket in buckets for pair in bucket):
+            if i == 5 and fault == "trainer":
+                raise RuntimeError("injected: the trainer failed producing tensor 5")
+            if i == 5 and fault == "name":
+                yield [("model.layers.0.mlp.not_a_weight", torch.zeros(4))]
+            yield [(name, tensor[:1] if i == 5 and fault == "shape" else tensor)]
+
+    return tensors
+
+
+def _forge_the_sixth_frame(monkeypatch) -> None:
+    """Until ``monkeypatch.undo()``: the sixth frame of a stream has its last byte flipped
+    after it was tagged, as if altered in the object store."""
+    honest, frames = stream.frame, []
+
+    def forged(bucket, signer=None, copies=None):
+        made = honest(bucket, signer, copies)
+        frames.append(1)
+        if len(frames) != 6:
+            return made
+        payload = made.payload.copy()
+        payload[-1] ^= 0x55
+        return made._replace(payload=payload)
+
+    monkeypatch.setattr(stream, "frame", forged)
+
+
+@pytest.fixture(params=["llm", "asyncllm"])
+def staging_engine(request, engines):
+    """The LLM actor's engine of the module, or a new one on the AsyncLLM actor (closed)."""
+    if request.param == "llm":
+        yield engines[0], None
+        return
+    actor = request.getfixturevalue("async_actor")
+    engine = RayVLLMEngine(actor, timeout_s=300)
+    try:
+        yield engine, actor
+    finally:
+        engine.close()
+
+
+def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_commit(
+    staging_engine, monkeypatch
+):
+    """The Ray transport stages every frame on the actor (fetched, tag-checked, each tensor
+    checked against what the engine loads) before the engine is paused: the trainer failing
+    after five tensors, the sixth frame altered in the store, a name the model lacks, a weight
+    of another shape, or a sync over ``max_stage_bytes`` each raise with nothing loaded -- the
+    old weights' greedy tokens exactly, the version unchanged, never paused (the written
+    version kept), ``base_sync_done`` kept -- and the next honest sync is exact. On the
+    AsyncLLM actor a generation the
+    framework issues in the middle of that sync's stage (every frame so far taken by the
+    actor) is answered, with the old weights' tokens: the engine serves while the bytes travel,
+    and only the commit pauses it."""
+    engine, actor = staging_engine
+    syncer = Syncer(engine, train_type="full")
+    sync_and_check(syncer, full_model(ARCH, seed=91), engine)
+    before, written, version = (
+        engine.greedy_batch(T.PROMPTS, 8),
+        engine.written_version,
+        engine.weights_version,
+    )
+    new = full_model(ARCH, seed=92)
+    prepare = engine.transport.prepare
+
+    def failing(fault, raised, match):
+        engine.transport.prepare = lambda rpc, buckets: prepare(rpc, _faulty(fault)(buckets))
+        try:
+            with pytest.raises(raised, match=match):
+                syncer.sync(new)
+        finally:
+            del engine.transport.prepare
+        assert engine.greedy_batch(T.PROMPTS, 8) == before, fault
+        assert engine.written_version == written and engine.weights_version == version, fault
+        assert syncer.base_sync_done and not engine.base_discarded, fault
+
+    failing("trainer", RuntimeError, "injected: the trainer failed producing tensor 5")
+    failing("name", WeightMismatchError, "not_a_weight.* is not a weight this engine loads")
+    failing("shape", WeightMismatchError, r"has shape \(1,.*the engine loads")
+    _forge_the_sixth_frame(monkeypatch)
+    failing("", BytesRejectedError, "bucket 5 of the stream.*not the ones the trainer sent")
+    monkeypatch.undo()
+    engine.transport.max_stage_bytes = 4096  # less than one frame of this model: refused
+    try:
+        failing("", WeightSyncError, "more than the 4096 bytes .* may stage")
+    finally:
+        engine.transport.max_stage_bytes = None
+
+    served = []  # the framework's generation in the middle of the honest sync's stage
+
+    def generating_midway(buckets):
+        for i, bucket in enumerate(_faulty("")(buckets)):
+            if i == 5 and actor is not None:
+                channel = engine.transport._channel
+                deadline = time.monotonic() + stretched(60)
+                while channel.qsize() and time.monotonic() < deadline:  # the actor takes them
+                    time.sleep(0.05)
+                assert not channel.qsize(), "the actor's stage did not take the frames"
+                # Answered while the stage runs, or never: the commit waits for this loop.
+                served.append(ray.get(actor.generate.remote(T.PROMPTS[0], 8), timeout=120))
+            yield bucket
+
+    engine.transport.prepare = lambda rpc, buckets: prepare(rpc, generating_midway(buckets))
+    try:
+        report = sync_and_check(syncer, new, engine)
+    finally:
+        del engine.transport.prepare
+    assert report.weights_version == engine.weights_version != version
+    if actor is not None:
+        ((tokens, spans),) = served
+        assert tokens == before[0][0] and spans[-1][0] == base_label(written)
+
+
 # --- failures: a deadline, a dead actor ----------------------------------------------------
 
 
@@ -538,11 +665,13 @@ def test_a_busy_actor_misses_its_deadline_with_a_weightsync_error(engines, actor
     sync_and_check(FullSync(), model, a)  # the actor answers again: the next sync goes through
 
 
-def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_repaired(engines, actors):
-    """The fan-out's second actor is killed while the trainer streams the buckets: a
-    weightsync error (not a Ray one, no hang) within a bounded time; the survivor, stopped
-    part-way, is marked unsynced and the next sync restores it. Last: it loses an actor."""
+def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_untouched(engines, actors):
+    """The fan-out's second actor is killed while the trainer stages the buckets: a
+    weightsync error (not a Ray one, no hang) within a bounded time; the survivor's stage is
+    dropped, so it serves exactly what it served, its base kept (`Replicas` commits all or
+    none), and the next sync is exact. Last: it loses an actor."""
     survivor, victim = engines
+    serving = survivor.greedy_batch(T.PROMPTS, 8)
     buckets = one_per_bucket(full_model(ARCH, seed=51), survivor)
 
     def stream():
@@ -558,11 +687,10 @@ def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_repaired(engines, a
     assert not isinstance(raised.value, ray.exceptions.RayError)
     with pytest.raises(EngineUnavailableError, match="does not answer"):
         victim.attest()
-    # The survivor is fully written or, stopped part-way, accepts only a full restore.
-    assert survivor.base_discarded
+    # Nothing of the sync reached the survivor: it was staged there, never committed.
+    assert survivor.greedy_batch(T.PROMPTS, 8) == serving and not survivor.base_discarded
     model = full_model(ARCH, seed=52)
-    report = sync_and_check(Syncer(survivor, train_type="full"), model, survivor)
-    assert report.strategy == "FullSync"
+    sync_and_check(Syncer(survivor, train_type="full"), model, survivor)
     discard(survivor)  # and it keeps working as any engine
     sync_and_check(FullSync(), model, survivor)
 

@@ -37,7 +37,8 @@ class Replicas(Engine):
     A sync commits on all replicas or on none. Each bucket is produced (merged, cast) once
     and handed to every replica, which *stages* it while it keeps serving (`Engine.stage_weights`:
     over tmpfs every file written and tagged, over gloo every frame received by the workers'
-    stages; one thread per replica, at most two buckets in flight each); a replica that cannot
+    stages, for a Ray actor every piece fetched from the object store and checked by the actor;
+    one thread per replica, at most two buckets in flight each); a replica that cannot
     stage (an in-process engine, a streaming transport: ``GlooTransport(stage=False)``, the
     weight-transfer API) gets the stream held in this process instead (one copy of the synced
     bytes, shared by all such replicas), loaded at the commit. Only when every replica staged

@@ -1,47 +1,49 @@
 """The engine side of `RayVLLMEngine`, inside the framework's Ray actor, where vLLM runs: the
 mixins the actor class inherits (`WeightsyncActor`, `AsyncWeightsyncActor`), which answer the
 trainer's `RayControl` on the actor's engine, and the actor's half of the object-store stream
-(``wire.stream``'s frames, each checked before it is loaded). Why the cuts are where they are:
-docs/ray.md.
+(``wire.stream``'s frames, each checked as it is staged while the engine serves; the commit
+loads the stage). Why the cuts are where they are: docs/ray.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
-import queue
 import shutil
-import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from ....errors import BytesRejectedError
+from ....errors import BytesRejectedError, WeightSyncError
 from ....wire import format as fmt
 from ....wire import scratch
 from ....wire.delta import LoadedCopies
-from ....wire.protocol import Outcome
+from ....wire.protocol import EngineFacts, Outcome
 from ....wire.stream import Checker, Kind
 from ....wire.tags import check
 from ..asyncllm import AsyncLLMControl
 from ..control import WORKER_EXTENSION, Control, LLMControl, held_lora
 from ..in_engine import model_ops
+from ..in_engine.extension import check_loadable
 from ..transports import TmpfsTransport
 
 __all__ = ["AsyncWeightsyncActor", "WeightsyncActor", "actor_llm"]
 
-#: How long one actor call may take by default (a full sync of a large model is one call); the
-#: actor waits as long for each piece of a stream.
+#: How long one actor call may take by default (a full sync's stage of a large model is one
+#: call); the actor waits as long for each piece of a stream.
 TIMEOUT_S = 600.0
 
 #: The RPC names the actor answers itself (the bytes from the object store); every other name
-#: goes to vLLM's workers through ``collective_rpc``.
-LOAD_STREAM = "weightsync_load_stream"
+#: goes to vLLM's workers through ``collective_rpc`` (so none is a worker extension's name).
+#: A sync's stream is staged, then committed or dropped:
+STAGE = "weightsync_ray_stage"
+COMMIT = "weightsync_ray_commit"
+DROP_STAGE = "weightsync_ray_drop"
 RECEIVE_ADAPTER = "weightsync_receive_object_adapter"
 DROP_ADAPTERS = "weightsync_drop_adapters"
 #: The actor's kept copies for deltas: the id of the sync they come from; drop them.
@@ -97,6 +99,8 @@ class _EngineSide:
     _weightsync_by_reference = False
     _weightsync_adapters: Path | None = None
     _weightsync_copies: LoadedCopies | None = None
+    _weightsync_staged: _Stage | None = None
+    _weightsync_weights: dict[str, tuple[int, ...]] | None = None
 
     def weightsync_attach(self, engine: Any) -> None:
         """Serve ``engine``, created with weightsync's worker extension: a ``vllm.LLM`` (any
@@ -146,8 +150,8 @@ class _EngineSide:
 
     def _weightsync_serve(self, call: str, *args: Any) -> Any:
         """One `Control` call (``call`` names the method), or a byte call of the transport
-        (``rpc`` with `LOAD_STREAM`, `RECEIVE_ADAPTER`, `DROP_ADAPTERS`, `DELTA_STATE` or
-        `DELTA_DROP`)."""
+        (``rpc`` with `STAGE`, `COMMIT`, `DROP_STAGE`, `RECEIVE_ADAPTER`, `DROP_ADAPTERS`,
+        `DELTA_STATE` or `DELTA_DROP`)."""
         control = self._weightsync_control
         if control is None:
             raise RuntimeError("the actor has not called weightsync_attach(engine) yet")
@@ -155,8 +159,13 @@ class _EngineSide:
             raise ValueError(f"weightsync_call: unknown call {call!r}")
         if call == "rpc":
             method, kwargs = args[0], args[1] or {}
-            if method == LOAD_STREAM:
-                return [o.to_json() for o in self._weightsync_load(**kwargs)]
+            if method == STAGE:
+                return [self._weightsync_stage_stream(**kwargs).to_json()]
+            if method == COMMIT:
+                return [o.to_json() for o in self._weightsync_commit()]
+            if method == DROP_STAGE:
+                self._weightsync_drop_stage()
+                return [Outcome().to_json()]
             if method == RECEIVE_ADAPTER:
                 return [self._weightsync_adapter(**kwargs).to_json()]
             if method == DROP_ADAPTERS:
@@ -172,63 +181,127 @@ class _EngineSide:
                 return [Outcome().to_json()]
         return getattr(control, call)(*args)
 
-    def _weightsync_load(self, channel: Any, key: str = "", delta: str = "") -> list[Outcome]:
-        """Load the buckets the trainer streams through ``channel`` (`RayObjectStoreTransport`),
-        each checked before it is loaded; the workers' outcomes. The first bucket is fetched and
-        checked before the engine is touched, so a stream refused at its start leaves the
-        engine as it was. ``delta``: the id the sync leaves in the kept copies (``wire.delta``),
-        which any failure drops."""
+    def _weightsync_stage_stream(self, channel: Any, key: str = "", delta: str = "") -> Outcome:
+        """Stage the stream the trainer puts through ``channel`` (`RayObjectStoreTransport`)
+        while the engine serves: every frame fetched from the object store and checked
+        (``wire.stream``: its tag, its place, the END's count), every tensor checked against
+        what the engine loads (`check_loadable`), and held for `_weightsync_commit`: the
+        object store's bytes themselves for an engine loaded by reference, else files in a RAM
+        folder on this node for its workers (`TmpfsTransport`, tagged anew; the store's bytes
+        are let go). Nothing is loaded and nothing paused here; a failure drops what was
+        staged (and, for a delta, the kept copies: the next sync is whole). The outcome's
+        value is how many frames were staged. ``delta``: the id the kept copies
+        (``wire.delta``) carry once the sync is committed."""
+        self._weightsync_drop_stage()  # one stage at a time: an uncommitted one is abandoned
         copies = None
         if delta:
             copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
             copies.begin()
-        incoming = None
         try:
-            incoming = _Incoming(channel, key, copies)
-            stream = iter(incoming)
-            head = list(itertools.islice(stream, 1))
-        except Exception as e:  # noqa: BLE001 (returned to the trainer as every worker's)
-            outcomes = [Outcome.failed(e)]
-        else:
-            payloads = itertools.chain(head, stream)
+            if copies is not None and not key:
+                raise BytesRejectedError("deltas need the trainer's tags: nothing was staged")
+            checker = Checker(key, copies)
+            refs: list[Any] = []  # held by reference: the store keeps what a reference names
+            kept = refs if self._weightsync_by_reference else None
+            expected = self._weightsync_expected()
+            checked = _checked(_frames(channel, checker, kept), expected)
             if self._weightsync_by_reference:
+                held = list(checked)  # views into the store (or into the kept copies)
                 engine = self._weightsync_engine
-                outcomes = engine.collective_rpc(
-                    model_ops.reload, kwargs={"weights": _views(payloads)}
-                )
-            else:
-                outcomes = self._weightsync_hand_over(payloads)
-        finally:
-            if incoming is not None:
-                incoming.close()
-        if copies is not None:
-            if incoming is not None and all(o.ok for o in outcomes):
-                copies.commit(delta, incoming.count)
-            else:
-                copies.clear()
-        return outcomes
 
-    def _weightsync_hand_over(self, payloads: Iterable[Any]) -> list[Outcome]:
-        """Load checked buckets into workers in other processes (a multiprocess engine core,
-        tensor parallel workers, an ``AsyncLLM``): files in a RAM folder on this node
-        (`TmpfsTransport`, a fresh folder per sync, removed after it), tagged anew for the
-        workers, which check them before loading any."""
-        assert self._weightsync_control is not None
+                def load() -> list[Outcome]:
+                    weights = (pair for pairs in held for pair in pairs)
+                    return engine.collective_rpc(
+                        model_ops.reload, kwargs={"weights": weights, "expected": expected}
+                    )
+
+                def drop() -> None:
+                    held.clear()
+                    refs.clear()
+
+                stage = _Stage(load, drop, delta, checker.count)
+            else:
+                stage = self._weightsync_stage_files(checked, delta, checker)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer: nothing was loaded)
+            if copies is not None:
+                copies.clear()
+            return Outcome.failed(e)
+        self._weightsync_staged = stage
+        return Outcome(value=stage.frames)
+
+    def _weightsync_stage_files(
+        self, checked: Iterable[list[tuple[str, torch.Tensor]]], delta: str, checker: Checker
+    ) -> _Stage:
+        """Stage checked buckets for workers in other processes (a multiprocess engine core,
+        tensor parallel workers, an ``AsyncLLM``): files in a fresh RAM folder on this node
+        (`TmpfsTransport.prepare`, written as the frames come, tagged anew for the workers,
+        which check them before loading any), removed when the stage is dropped."""
         control = self._weightsync_control
-        outcomes: list[Outcome] = []
+        assert control is not None
 
         def rpc(method: str, kwargs: dict[str, Any]) -> list[Outcome]:
             outcomes[:] = [Outcome.from_json(r) for r in control.rpc(method, kwargs)]
             return outcomes
 
+        outcomes: list[Outcome] = []
+
+        def load() -> list[Outcome]:
+            try:
+                staged.apply()
+            except Exception as e:  # noqa: BLE001 (reaching the workers: returned as theirs)
+                return outcomes if outcomes else [Outcome.failed(e)]
+            return outcomes
+
+        def drop() -> None:
+            staged.drop()
+            hop.close()  # nothing of the sync stays in RAM on this node
+
         hop = TmpfsTransport(keep=False)
         try:
-            hop.send(rpc, (list(_views([p])) for p in payloads))
-        except Exception as e:  # noqa: BLE001 (writing the files or reaching the workers)
-            return [Outcome.failed(e)]
+            staged = hop.prepare(rpc, checked)
+        except BaseException:
+            hop.close()
+            raise
+        return _Stage(load, drop, delta, checker.count)
+
+    def _weightsync_commit(self) -> list[Outcome]:
+        """Load what `_weightsync_stage_stream` staged (inside the trainer's pause) and let it
+        go; the workers' outcomes. The kept copies of a delta sync carry its id once every
+        worker loaded it, and are dropped otherwise."""
+        stage, self._weightsync_staged = self._weightsync_staged, None
+        if stage is None:
+            return [Outcome.failed(RuntimeError("nothing is staged on this actor: nothing loaded"))]
+        try:
+            outcomes = stage.load()
         finally:
-            hop.close()  # nothing of the sync stays in RAM on this node
+            stage.drop()
+        copies = self._weightsync_copies
+        if stage.delta and copies is not None:
+            if all(o.ok for o in outcomes):
+                copies.commit(stage.delta, stage.frames)
+            else:
+                copies.clear()
         return outcomes
+
+    def _weightsync_drop_stage(self) -> None:
+        """Drop an uncommitted stage (the trainer's sync failed, or another replica's stage
+        did): its bytes are let go, and the kept copies it patched are dropped."""
+        stage, self._weightsync_staged = self._weightsync_staged, None
+        if stage is None:
+            return
+        stage.drop()
+        if stage.delta and self._weightsync_copies is not None:
+            self._weightsync_copies.clear()
+
+    def _weightsync_expected(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every weight the engine loads (its workers' `EngineFacts`)."""
+        if self._weightsync_weights is None:
+            assert self._weightsync_control is not None
+            answer = Outcome.from_json(self._weightsync_control.rpc("weightsync_facts")[0])
+            if not answer.ok:
+                raise WeightSyncError(f"the actor's workers do not report their facts: {answer}")
+            self._weightsync_weights = dict(EngineFacts.from_json(answer.value).weights)
+        return self._weightsync_weights
 
     def _weightsync_adapter(
         self, ref: Any, version: int, config: str, key: str = "", tag: str = "", keep: int = 2
@@ -244,7 +317,7 @@ class _EngineSide:
             if self._weightsync_adapters is None:
                 self._weightsync_adapters = scratch.scratch_dir(self, "adapters")
             folder = self._weightsync_adapters / f"adapter-v{int(version):06d}"
-            fmt.write_adapter(folder, list(_views([payload])), json.loads(config))
+            fmt.write_adapter(folder, _views(payload), json.loads(config))
             for old in sorted(folder.parent.glob("adapter-v*"))[: -max(2, int(keep))]:
                 shutil.rmtree(old, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
@@ -252,87 +325,58 @@ class _EngineSide:
         return Outcome(value=str(folder))
 
 
-def _views(payloads: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of every payload as views into the object store's memory. Ray hands the
-    payload out read-only; the reload only reads it (it copies into the parameters), so torch's
-    warning about a non-writable buffer is silenced here."""
+class _Stage(NamedTuple):
+    """What one sync staged on the actor: ``load`` applies it (the workers' outcomes),
+    ``drop`` lets its bytes go; ``delta`` the id its kept copies carry once committed ("":
+    not a delta sync), ``frames`` how many frames it holds."""
+
+    load: Callable[[], list[Outcome]]
+    drop: Callable[[], None]
+    delta: str
+    frames: int
+
+
+def _frames(channel: Any, checker: Checker, refs: list[Any] | None) -> Iterator[np.ndarray]:
+    """The payloads of the stream the trainer puts through ``channel``, each fetched from the
+    object store (from another node Ray pulls it here) and checked (a delta: patched into the
+    kept copy first) before it is yielded; the END's count is checked, the trainer's ABORT
+    raised. Each payload's reference goes to ``refs`` (if given): the trainer lets go of its
+    own once the stage is done, and Ray frees an object nobody references. The channel carries
+    ``(kind, ref, tag)`` for a BUCKET or DELTA frame (its payload in the store),
+    ``(END, count, tag)``, or ``(ABORT, why)``."""
+    import ray
+
+    while True:
+        frame = channel.get(timeout=TIMEOUT_S)
+        if frame[0] == Kind.ABORT:
+            checker.abort(frame[1])
+        if frame[0] == Kind.END:
+            checker.end(frame[1], frame[2])
+            return
+        kind, ref, tag = frame
+        if refs is not None:
+            refs.append(ref)
+        yield checker.bucket(kind, ray.get(ref, timeout=TIMEOUT_S), tag)
+
+
+def _checked(
+    payloads: Iterable[np.ndarray], expected: Mapping[str, tuple[int, ...]]
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Each payload's tensors (`_views`), once each is known to be a weight the engine loads,
+    at its shape (`check_loadable`)."""
     for payload in payloads:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            pairs = list(fmt.views(payload))
-        yield from pairs
+        pairs = _views(payload)
+        check_loadable(pairs, expected)
+        yield pairs
 
 
-class _Incoming:
-    """The actor's half of a sync's stream (``wire.stream``: its frames, each checked by a
-    `Checker`). A thread takes each frame from the trainer's channel, fetches its payload from
-    the object store (from another node Ray pulls it here) while the reload loads the one
-    before, and checks it (a delta: patched into the kept copy first); iterating yields the
-    checked payloads in order and raises what the thread raised. At most ``AHEAD`` payloads wait
-    fetched, so the actor's node holds little more than the bucket being loaded.
-
-    The channel carries ``(kind, ref, tag)`` for a BUCKET or DELTA frame (its payload in the
-    store), ``(END, count, tag)``, or ``(ABORT, why)``."""
-
-    AHEAD = 2
-
-    def __init__(self, channel: Any, key: str, copies: LoadedCopies | None) -> None:
-        if copies is not None and not key:
-            raise BytesRejectedError("deltas need the trainer's tags: nothing was loaded")
-        self.channel = channel
-        self.checker = Checker(key, copies)
-        self.count = 0
-        self._ready: queue.Queue[Any] = queue.Queue(maxsize=self.AHEAD)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fetch, name="weightsync-fetch", daemon=True)
-        self._thread.start()
-
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            item = self._ready.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            self.count += 1
-            yield item
-
-    def close(self) -> None:
-        """Stop the thread (the reload may stop before the stream ends)."""
-        self._stop.set()
-        self._thread.join(timeout=TIMEOUT_S)
-
-    def _fetch(self) -> None:
-        try:
-            for payload in self._payloads():
-                self._hand(payload)
-            self._hand(_DONE)
-        except BaseException as e:  # noqa: BLE001 (raised in the reload's thread)
-            self._hand(e)
-
-    def _hand(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._ready.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def _payloads(self) -> Iterator[Any]:
-        import ray
-
-        while not self._stop.is_set():
-            frame = self.channel.get(timeout=TIMEOUT_S)
-            if frame[0] == Kind.ABORT:
-                self.checker.abort(frame[1])
-            if frame[0] == Kind.END:
-                self.checker.end(frame[1], frame[2])
-                return
-            kind, ref, tag = frame
-            yield self.checker.bucket(kind, ray.get(ref, timeout=TIMEOUT_S), tag)
-
-
-_DONE = object()
+def _views(payload: np.ndarray) -> list[tuple[str, torch.Tensor]]:
+    """The payload's tensors as views into its bytes. Ray hands the payload out read-only; the
+    reload only reads it (it copies into the parameters), so torch's warning about a
+    non-writable buffer is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return list(fmt.views(payload))
 
 
 class WeightsyncActor(_EngineSide):
@@ -376,11 +420,12 @@ class AsyncWeightsyncActor(_EngineSide):
             async def generate(self, prompt, params, request_id): ...
 
     ``weightsync_call`` is a coroutine, so Ray runs the actor's calls on one event loop, the
-    ``AsyncLLM``'s: each call runs in a worker thread (a sync is long and blocking: the
+    ``AsyncLLM``'s: each call runs in a worker thread (a stage is long and blocking: the
     buckets are fetched from the store, checked and written to a RAM folder there) and the
     ``AsyncLLM`` calls it makes are scheduled back onto the loop (`AsyncLLMControl`), so the
-    framework's generations go on while a sync runs, until the write pauses them with
-    ``mode="keep"`` (requests frozen, recomputed under the new weights after it). Each write
+    framework's generations go on while a sync stages, until the commit pauses them with
+    ``mode="keep"`` (requests frozen, recomputed under the new weights after it): the pause
+    covers the workers' load of the staged files, not the transfer. Each write
     also labels vLLM's weight version with the base version it left, so every ``RequestOutput``
     says which weights produced which tokens (``RemoteVLLMEngine._written``, docs/async-rl.md).
     """

@@ -3,7 +3,8 @@ handle, which ``Syncer``, ``policy``, every strategy and ``Replicas`` take like 
 (``adapt`` takes the raw handle too once this module is imported). It is `RemoteVLLMEngine`
 with two halves of its own: `RayControl` (each `Control` call forwarded to the actor, see
 ``actor.py``) and `RayObjectStoreTransport` (the bytes through Ray's object store, as
-``wire.stream``'s frames, streamed to the actor through a Ray queue). Why: docs/ray.md.
+``wire.stream``'s frames, staged on the actor through a Ray queue while its engine serves, then
+committed inside the pause). Why: docs/ray.md.
 
 Deadlines: every actor call waits at most ``timeout_s``. An actor that died (killed, its node
 lost) or did not answer in time raises `EngineUnavailableError`, never a Ray error; an error the
@@ -22,18 +23,28 @@ from typing import Any
 import torch
 
 from .... import timing
-from ....errors import EngineUnavailableError
+from ....errors import EngineUnavailableError, WeightSyncError
 from ....plan import Bucket
 from ....wire import format as fmt
 from ....wire import stream
-from ....wire.delta import SentCopies, WireCount
+from ....wire.delta import WireCount
 from ....wire.stream import Kind
 from ....wire.tags import Signer
 from ...base import instance_of, register
+from ...contract import Staged
 from ..control import Control
 from ..remote import RemoteVLLMEngine
 from ..transports import Rpc, Transport
-from .actor import DELTA_DROP, DELTA_STATE, LOAD_STREAM, RECEIVE_ADAPTER, TIMEOUT_S
+from ..transports.base import sent_copies, signer_for
+from .actor import (
+    COMMIT,
+    DELTA_DROP,
+    DELTA_STATE,
+    DROP_STAGE,
+    RECEIVE_ADAPTER,
+    STAGE,
+    TIMEOUT_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,41 +137,54 @@ class RayControl(Control):
 
 
 class RayObjectStoreTransport(Transport):
-    """Buckets through Ray's object store, streamed: each piece packed and tagged here as a
-    ``wire.stream`` frame, ``ray.put``, its reference sent through a channel (a Ray queue: a
-    synchronous actor runs one call at a time, so the load call, once running, is handed more
-    references this way) to the actor's load call, which fetches, checks and loads it while
-    this side packs the next.
+    """Buckets through Ray's object store, staged on the actor, then committed: each piece
+    packed and tagged here as a ``wire.stream`` frame, ``ray.put``, its reference sent through
+    a channel (a Ray queue: a synchronous actor runs one call at a time, so its stage call,
+    once running, is handed more references this way) to the actor's stage call, which fetches
+    and checks it while this side packs the next and holds it (`WeightsyncActor`); the apply,
+    inside the engine's pause, is one call: the actor's load of what it staged.
 
     Args:
-        tagged: tag every piece (``wire.tags``); the actor checks each before loading it, and
+        tagged: tag every piece (``wire.tags``); the actor checks each as it stages it, and
             the stream's end (how many came).
         delta: put only the changed words of a piece whose base the actor holds
             (``wire.delta``; the actor keeps a writable copy of every piece, so one copy of the
             weights stays on each side between syncs); needs ``tagged``.
         piece_bytes: the most bytes one payload carries (a strategy's bucket is cut into
             pieces of whole tensors; a larger tensor travels alone): the grain at which
-            packing here, Ray's transfer and the actor's reload overlap.
+            packing here, Ray's transfer and the actor's checks overlap.
+        max_stage_bytes: the most bytes one sync may put in the object store (None: no
+            bound); a larger sync is refused with nothing loaded, before the piece that would
+            pass it is put. What a stage holds until its commit (docs/ray.md): the synced bytes
+            in the object store -- once on the trainer's node, once more on the actor's node
+            when it is another -- for an engine loaded by reference (`actor_llm`); for one whose
+            workers are other processes (tensor parallel, an ``AsyncLLM``), the same bytes in a
+            RAM folder on the actor's node instead, the store's copies let go once staged.
 
     Raises:
-        ValueError: ``delta`` without ``tagged``; ``piece_bytes`` not positive.
+        ValueError: ``delta`` without ``tagged``; ``piece_bytes`` or ``max_stage_bytes`` not
+            positive.
     """
 
     name = "ray"
+    stages = True
 
     def __init__(
-        self, *, tagged: bool = True, delta: bool = False, piece_bytes: int = PIECE_BYTES
+        self,
+        *,
+        tagged: bool = True,
+        delta: bool = False,
+        piece_bytes: int = PIECE_BYTES,
+        max_stage_bytes: int | None = None,
     ) -> None:
-        if delta and not tagged:
-            raise ValueError(
-                "RayObjectStoreTransport(delta=True) needs tagged=True: a patched bucket is "
-                "proven byte-identical to the whole one by the whole bucket's tag"
-            )
         if piece_bytes <= 0:
             raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
+        if max_stage_bytes is not None and max_stage_bytes <= 0:
+            raise ValueError(f"max_stage_bytes must be positive, got {max_stage_bytes}")
+        self._copies = sent_copies(delta, tagged, "RayObjectStoreTransport")
         self.tagged = tagged
         self.piece_bytes = piece_bytes
-        self._copies = SentCopies() if delta else None
+        self.max_stage_bytes = max_stage_bytes
         self._rpc: Rpc | None = None
         self._channel: Any = None
 
@@ -173,40 +197,76 @@ class RayObjectStoreTransport(Transport):
         self._rpc = rpc
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
-        """Stream the pieces of ``buckets``: the actor's load call starts first (in a thread
-        here) and loads each piece as it comes. A piece the trainer fails to produce, or an
-        actor that stops early, ends the stream with the first error raised here; the actor
-        then abandons its reload as on any failed write (docs/failure-modes.md)."""
-        signer = Signer() if self.tagged else None
+        staged = self.prepare(rpc, buckets)
+        try:
+            staged.apply()
+        finally:
+            staged.drop()
+
+    def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
+        """Stage every piece of ``buckets`` on the actor while its engine serves: the actor's
+        stage call starts first (in a thread here) and takes each piece as it is put. Any
+        failure here -- a piece the trainer fails to produce (an ABORT frame goes to the
+        actor), a frame or tensor the actor refuses, a sync over ``max_stage_bytes``, an actor
+        that stops early -- drops the stage with nothing loaded and the engine never paused;
+        the first error is raised. The returned apply is one call, the actor's load of its
+        stage (the trainer's references are let go once the actor staged: it holds what it
+        needs)."""
+        signer = signer_for(self.tagged)
         copies = self._copies
         sync_id = ""
-        if copies is not None:
+        if copies is not None:  # deltas only onto the copies the last committed sync left
             sync_id = copies.begin([o.value for o in rpc(DELTA_STATE, {})])
         try:
-            self._stream(rpc, _pieces(buckets, self.piece_bytes), signer, sync_id)
+            self._stage(rpc, _pieces(buckets, self.piece_bytes), signer, sync_id)
         except BaseException:
             if copies is not None:
                 copies.reset()
             raise
-        if copies is not None:
-            copies.commit()
+        committed: list[bool] = []
 
-    def _stream(
+        def apply() -> None:
+            rpc(COMMIT, {})
+            committed.append(True)
+            if copies is not None:
+                copies.commit()
+
+        def drop() -> None:  # unless committed: the actor lets its stage go, copies in doubt
+            if committed:
+                return
+            if copies is not None:
+                copies.reset()
+            try:
+                rpc(DROP_STAGE, {})
+            except Exception:  # a dead actor holds nothing more
+                logger.warning("weightsync: dropping the actor's stage failed", exc_info=True)
+
+        return Staged(apply, drop)
+
+    def _stage(
         self, rpc: Rpc, pieces: Iterable[Bucket], signer: Signer | None, sync_id: str
     ) -> None:
         import ray
 
         channel = self._open_channel()
         start = {"channel": channel, "key": signer.key_hex if signer else "", "delta": sync_id}
-        refs: list[Any] = []  # held until the actor has loaded them
-        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-ray-load") as pool:
-            loading = pool.submit(rpc, LOAD_STREAM, start)
+        refs: list[Any] = []  # held until the actor has staged them
+        put = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-ray-stage") as pool:
+            staging = pool.submit(rpc, STAGE, start)
             try:
                 for piece in pieces:
-                    if loading.done():
+                    if staging.done():
                         break  # the actor stopped early: its error is raised below
                     with timing.span("serialize"):
                         kind, payload, tag = stream.frame(piece, signer, self._copies)
+                        put += payload.nbytes
+                        if self.max_stage_bytes is not None and put > self.max_stage_bytes:
+                            raise WeightSyncError(
+                                f"this sync puts more than the {self.max_stage_bytes} bytes "
+                                "RayObjectStoreTransport may stage (max_stage_bytes): "
+                                "nothing was loaded"
+                            )
                         # put copies the payload into the store: a kept one may change after
                         refs.append(ray.put(payload))
                     _put(channel, (int(kind), refs[-1], tag))
@@ -217,12 +277,12 @@ class RayObjectStoreTransport(Transport):
                 self._channel = None  # its leftovers must not meet the next sync
                 try:
                     _put(channel, (int(Kind.ABORT), f"{type(error).__name__}: {error}"))
-                    loading.exception()  # the actor's reload abandoned; the trainer's error wins
+                    staging.exception()  # the actor's stage dropped; the trainer's error wins
                 finally:
                     _shut(channel)
                 raise
             try:
-                loading.result()
+                staging.result()
             except BaseException:
                 self._channel = None
                 _shut(channel)
@@ -252,7 +312,7 @@ class RayObjectStoreTransport(Transport):
         node (its LoRA loader reads folders) and that path is returned."""
         import ray
 
-        signer = Signer() if self.tagged else None
+        signer = signer_for(self.tagged)
         with timing.span("serialize"):
             payload = fmt.pack(list(tensors.items())).numpy()
             tag = signer.sign(payload) if signer is not None else ""
