@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 from weakref import WeakKeyDictionary
 
 import torch
@@ -246,7 +246,7 @@ def trained_copies(model: nn.Module) -> list[Weight]:
     from peft.utils import ModulesToSaveWrapper
 
     out: list[Weight] = []
-    for name, module in modules_of_type(inner_model(model), ModulesToSaveWrapper):
+    for name, module in peft_support.modules_of_type(inner_model(model), ModulesToSaveWrapper):
         if not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
@@ -261,35 +261,6 @@ def trained_copies(model: nn.Module) -> list[Weight]:
                     )
                 )
     return out
-
-
-def modules_of_type(
-    root: nn.Module, kind: type | tuple[type, ...], *, inside: bool = False
-) -> Iterator[tuple[str, Any]]:
-    """``(name, module)`` for each module of type ``kind`` below ``root``, in
-    ``named_modules()`` order and under its first name; ``inside``: also below a match (else a
-    match's children are skipped). An explicit stack instead of ``named_modules()``, whose
-    recursive generators pass every module up through each level: the walks of an adapter sync
-    (the allowlist check, the ``modules_to_save`` copies) run every step, and the whole sync's
-    budget is small (docs/benchmarks.md)."""
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", root)]
-    while stack:
-        prefix, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if isinstance(module, kind):
-            yield prefix, module
-            if not inside:
-                continue
-        children = module._modules
-        if children:
-            stack.extend(
-                (f"{prefix}.{name}" if prefix else name, child)
-                for name, child in reversed(children.items())
-                if child is not None
-            )
 
 
 _LAYER = re.compile(r"\.(\d+)\.")
