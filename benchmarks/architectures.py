@@ -3,9 +3,10 @@
 For each architecture in `ARCHITECTURES` (a tiny random model transformers builds from its own
 config class), one child process, bounded by ``--timeout``: build the model, save it, start an
 in-process ``vllm.LLM`` on it, check the fresh engine generates what transformers generates,
-wrap it in `VLLMEngine` (which reads the engine's contract), perturb the trainer's model, sleep
-at level 2 (the discard simulated: vLLM's CPU sleep keeps the weights), FullSync, and compare
-greedy tokens and logprobs with transformers again; then the first-sync canary
+wrap it in `VLLMEngine` (which reads the engine's contract), sleep at level 2 (the discard
+simulated: vLLM's CPU sleep keeps the weights), FullSync the checkpoint's own weights and compare
+with the fresh engine (what vLLM itself loaded), then FullSync the perturbed trainer's model and
+compare greedy tokens and logprobs with transformers again; then the first-sync canary
 (`weightsync.verify.check_engine`) on the synced engine. One process per architecture because
 vLLM's process-wide state does not survive a failed start (docs/vllm-cpu notes) and an MoE
 engine starts only beside MoE engines.
@@ -18,6 +19,7 @@ Not a CI test: ~30-60 s per architecture on 2 cores.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -78,6 +80,24 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "head_dim": 32,
             "n_group": 1,
             "topk_group": 1,
+        },
+    ),
+    "deepseek_v3": (
+        "moe",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 512,  # vLLM-CPU's MLA kernel takes 512 + 64 only
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 32,
+            "num_key_value_heads": 4,  # MLA: one latent key/value per head
+            "topk_method": "noaux_tc",  # as DeepSeek-V3's config.json says (vLLM reads it)
         },
     ),
     "ernie4_5_moe": (
@@ -188,6 +208,7 @@ def survey_one(model_type: str, folder: str) -> dict[str, Any]:
         # vLLM's Transformers modeling backend decorates transformers' own decoder class in
         # place, after which a model built before fails its forward in this process.
         fresh = [T.trainer_greedy(model, p, 8) for p in T.PROMPTS]
+        original = copy.deepcopy(model)  # the checkpoint's weights, synced back below
         T.perturb(model, seed=1, scale=0.05)
         trained = [T.trainer_greedy(model, p, 8) for p in T.PROMPTS]
         trained_lp = [
@@ -198,14 +219,19 @@ def survey_one(model_type: str, folder: str) -> dict[str, Any]:
         llm = T.make_llm(folder)
         result["start_s"] = round(time.perf_counter() - t0, 1)
         stage = "fresh"
-        served = [tokens for tokens, _ in greedy_generate(llm.llm_engine, T.PROMPTS, 8, None)]
-        result["fresh_exact"] = served == fresh
+        served = greedy_generate(llm.llm_engine, T.PROMPTS, 8, None)
+        result["fresh_exact"] = [tokens for tokens, _ in served] == fresh
         stage = "contract"
         engine = VLLMEngine(llm)
         stage = "sync"
         engine.sleep(2)
         engine.wake_up()
         T.discard_weights(engine)
+        # What weightsync writes against what vLLM itself loaded from the checkpoint: the
+        # answer that matters where vLLM's model differs from transformers' before any sync.
+        FullSync().sync(original, engine, verify=False)
+        again = engine.greedy_batch(T.PROMPTS, 8)
+        result["resync_fresh"] = [list(t) for t, _ in again] == [list(t) for t, _ in served]
         FullSync().sync(model, engine, verify=False)  # the canary runs below, on its own
         after = engine.greedy_batch(T.PROMPTS, 8)
         result["sync_exact"] = [tokens for tokens, _ in after] == trained
@@ -266,7 +292,11 @@ def verdict(r: dict[str, Any]) -> str:
         if r.get("sync_exact"):
             return "syncs exactly"
         if r.get("fresh_exact") is False:
-            return "differs from transformers before any sync too (vLLM's model), and after"
+            again = {True: "gives", False: "does NOT give"}.get(r.get("resync_fresh"), "?")
+            return (
+                "differs from transformers before any sync too (vLLM's model), and after; a "
+                f"FullSync of the checkpoint's weights {again} the fresh engine's tokens"
+            )
         return "**syncs WRONG** (no error)"
     where = {"build": "transformers cannot build it", "start": "vLLM-CPU does not start it"}
     return f"{where.get(r['stage'], 'fails at ' + r['stage'])}: {r.get('error', '')}"

@@ -247,8 +247,10 @@ def lora_model(arch: str, seed: int, config: Mapping[str, Any] = LORA, **cfg: An
 
 def moe_model(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
     """A tiny MoE in the shape of ``T.TINY`` (4 experts, 2 a token): Qwen3-MoE or Mixtral, whose
-    checkpoints name experts differently (``mlp.experts.0.gate_proj``, ``experts.0.w1``)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+    checkpoints name experts differently (``mlp.experts.0.gate_proj``, ``experts.0.w1``), or
+    GLM-4-MoE (layer 0 dense, layer 1 MoE; its router's ``e_score_correction_bias`` is a
+    persistent buffer, zero until set)."""
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
 
     torch.manual_seed(seed)
     common = {**T.TINY, "num_experts_per_tok": 2, "head_dim": 32}
@@ -256,8 +258,17 @@ def moe_model(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
         cfg = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=64, **common)
     elif family == "mixtral":
         cfg = MixtralConfig(num_local_experts=4, **common)
+    elif family == "glm4_moe":
+        cfg = Glm4MoeConfig(
+            n_routed_experts=4,
+            moe_intermediate_size=64,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            **common,
+        )
     else:
-        raise ValueError(f"family must be 'qwen3_moe' or 'mixtral', got {family!r}")
+        raise ValueError(f"family must be 'qwen3_moe', 'mixtral' or 'glm4_moe', got {family!r}")
     return AutoModelForCausalLM.from_config(cfg).float().eval()
 
 

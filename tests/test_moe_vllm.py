@@ -3,7 +3,9 @@
 Two families whose checkpoints name experts differently (Qwen3-MoE: ``mlp.experts.0.gate_proj``;
 Mixtral: ``block_sparse_moe.experts.0.w1``), each through FullSync (dense, LoRA merged on
 attention and on the fused experts) and ReloadWeights(snapshot) on a real vLLM engine; and the
-layout itself against what ``save_pretrained`` writes.
+layout itself against what ``save_pretrained`` writes. GLM-4-MoE, whose router holds a persistent
+buffer the engine loads. Every engine of the module is an MoE: vLLM's process-wide parallel
+state lets an MoE engine start only beside MoE engines.
 """
 
 from __future__ import annotations
@@ -206,6 +208,41 @@ def test_served_lora_refused_on_a_cpu_moe_engine(family, engine, monkeypatch):
     ):
         engine.check_adapter(adapter(model))
     assert writes == []
+
+
+# --- GLM-4-MoE: a router bias the trainer holds as a buffer -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    folder = T.save_checkpoint(moe_model("glm4_moe"), tmp_path_factory.mktemp("glm4_moe"))
+    return VLLMEngine(T.make_llm(folder))
+
+
+def test_glm4_moe_router_bias_buffer_is_synced_also_after_a_level2_discard(glm):
+    """GLM-4-MoE (``proven.ARCHITECTURES``): its router's ``e_score_correction_bias`` is a
+    persistent buffer in transformers, and one parameter in vLLM that its experts module holds
+    too (a name no checkpoint has, so not one the engine loads). A trainer that differs from the
+    engine's checkpoint by that buffer alone changes the engine's tokens and is synced exactly;
+    after a level-2 sleep (its discard simulated) a FullSync restores every weight and the
+    buffer, exactly."""
+    from conftest import discard
+
+    engine = glm
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert [n for n in engine.expected_weights if "e_score" in n] == [name]
+    assert not engine.shared_weights
+    model = moe_model("glm4_moe")
+    with torch.no_grad():  # picks experts 0 and 2 for every token (the scores are sigmoids)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(
+            torch.tensor([2.0, -2.0, 1.0, -1.0])
+        )
+    sync_and_check(model, engine, FullSync())
+    T.perturb(model, seed=6, scale=0.05)
+    engine.sleep(2)
+    engine.wake_up()
+    discard(engine)
+    sync_and_check(model, engine, FullSync())
 
 
 def test_online_fp8_linear_layers_with_bf16_experts_equal_a_fresh_engine(tmp_path_factory):

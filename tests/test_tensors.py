@@ -304,3 +304,53 @@ def test_what_fits_a_dtype_is_what_torch_casts_finite(dtype):
     for value in near + edges:
         for via in (torch.float64, torch.float32):
             assert _fits(value, dtype) == finite(value, via), (value, via)
+
+
+def test_a_persistent_buffer_the_engine_loads_is_sent_as_a_frozen_weight():
+    """GLM-4-MoE's router keeps ``e_score_correction_bias`` as a persistent buffer (float32 in a
+    bfloat16 model, as ``from_pretrained`` loads it), which the engine loads. It is sent in
+    float32 from the trainer's memory, keyed by content like a frozen weight, checked for
+    values, and found by the adapter's base proof; a buffer the engine does not load is not
+    sent, nor is a non-persistent one (``rotary_emb.inv_freq``)."""
+    from conftest import moe_model
+
+    from weightsync.errors import BadValuesError
+    from weightsync.strategies.proof import unmerged_base
+    from weightsync.trainer.values import check_plan
+    from weightsync.wire.checkpoint_names import checkpoint_shapes
+
+    model = moe_model("glm4_moe").to(torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    gate.e_score_correction_bias = torch.randn(4, dtype=torch.float64).float()  # not bf16-exact
+    bias = gate.e_score_correction_bias
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    expected = checkpoint_shapes(model)
+    assert name in expected and not any("inv_freq" in n for n in expected)
+    assert any("inv_freq" in n for n, _ in model.named_buffers())
+    tensors = stream.base_tensors(model, merge_lora=False, expected=expected)
+    assert [t.name for t in tensors if "e_score" in t.name] == [name]
+    assert {t.name for t in tensors} == set(expected) and len(tensors) == len(expected)
+    (sent,) = [t for t in tensors if t.name == name]
+    assert plan.content_key(sent) is not None  # frozen: skipped when unchanged, like a weight
+    value = materialize(tensors, torch.bfloat16)[name]
+    assert value.dtype == torch.float32 and torch.equal(value, bias)
+    assert value.data_ptr() == bias.data_ptr()  # read in place, not copied
+    # an engine that does not load it: neither sent nor missed
+    without = {n: s for n, s in expected.items() if n != name}
+    names = [t.name for t in stream.base_tensors(model, merge_lora=False, expected=without)]
+    assert set(names) == set(without)
+    # the values check reads it like any weight
+    with torch.no_grad():
+        bias[2] = float("nan")
+    planned = plan.Plan(
+        strategy="t", reason="t", engine="t", dtype=torch.bfloat16, weights=tuple(tensors)
+    )
+    with pytest.raises(BadValuesError, match=r"gate\.e_score_correction_bias holds 1 NaN"):
+        check_plan(planned)
+
+    class Contract:  # what the adapter's base proof reads of an engine
+        expected_weights = expected
+
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    base = dict(unmerged_base(peft, Contract(), set()))  # type: ignore[arg-type]
+    assert base[name] is bias

@@ -231,11 +231,13 @@ class Plan:
 
 
 def _quantized(weights: tuple[Weight, ...]) -> str:
-    sent = [str(t.sent).removeprefix("torch.") for t in weights if t.sent is not None]
-    if not sent:
-        return ""
+    # a tensor sent in the dtype the trainer holds it in (a persistent buffer) is no quantization
+    sent = [str(t.sent).removeprefix("torch.") for t in weights if t.sent not in (None, t.held)]
+    own = sum(t.sent is not None and t.sent == t.held for t in weights)
     kinds = ", ".join(f"{sent.count(d)} {d}" for d in dict.fromkeys(sent))
-    return f" (quantized on the trainer side: {kinds})"
+    return (f" (quantized on the trainer side: {kinds})" if sent else "") + (
+        f" ({own} in the dtype the trainer holds them in)" if own else ""
+    )
 
 
 def _targets(adapter: Adapter) -> set[str]:

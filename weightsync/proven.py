@@ -56,6 +56,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": (_FAMILIES, "gemma2"),
     "Qwen3MoeForCausalLM": (_MOE, "qwen3_moe"),
     "MixtralForCausalLM": (_MOE, "mixtral"),
+    "Glm4MoeForCausalLM": (
+        "tests/test_moe_vllm.py::test_glm4_moe_router_bias_buffer_is_synced_also_after_a_level2_discard",
+        "glm4_moe",
+    ),
 }
 
 _PREQUANTIZED = "tests/test_quantized_vllm.py::test_prequantized_full_merged_lora_and_level2_equal_a_fresh_engine"

@@ -179,8 +179,8 @@ def unmerged_base(
     sent as it is) for every base weight of ``model`` but ``sent``, as
     ``base_tensors(model, merge_lora=False)`` finds them.
 
-    Where each lives (a parameter path) is kept per model and engine contract; a path that no
-    longer holds a parameter of its own (a layer PEFT wrapped since) finds them all again.
+    Where each lives (a parameter or buffer path) is kept per model and engine contract; a path
+    that no longer holds a tensor of its own (a layer PEFT wrapped since) finds them all again.
     """
     model = uncompiled(model)
     expected = engine.expected_weights
@@ -190,7 +190,11 @@ def unmerged_base(
         found = _resolved(model, kept[1], sent)
         if found is not None:
             return found
-    paths = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    paths = {
+        id(p): name
+        for named in (model.named_parameters, model.named_buffers)
+        for name, p in named(remove_duplicate=False)
+    }
     entries = []
     for t in base_tensors(model, merge_lora=False, expected=expected):
         x = t.inputs[0] if len(t.inputs) == 1 and not t.merged else None
@@ -225,7 +229,10 @@ def _resolved(
             continue
         owner, _, attr = path.rpartition(".")
         holder = module(owner)
-        p = holder._parameters.get(attr) if holder is not None else None
+        p: torch.Tensor | None = None
+        if holder is not None:  # a parameter, or a persistent buffer the engine loads
+            p = holder._parameters.get(attr)
+            p = holder._buffers.get(attr) if p is None else p
         if p is None:
             return None
         out.append((name, p))

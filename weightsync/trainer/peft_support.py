@@ -25,8 +25,9 @@ made:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from torch import nn
 
@@ -167,13 +168,40 @@ def _module_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     return (lora.Linear, lora.Embedding, lora.ParamWrapper), (ModulesToSaveWrapper,)
 
 
+def modules_of_type(
+    root: nn.Module, kind: type | tuple[type, ...], *, inside: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """``(name, module)`` for each module of type ``kind`` below ``root``, in
+    ``named_modules()`` order and under its first name; ``inside``: also below a match (else a
+    match's children are skipped). An explicit stack instead of ``named_modules()``, whose
+    recursive generators pass every module up through each level: the walks of an adapter sync
+    (the allowlist check, the ``modules_to_save`` copies) run every step, and the whole sync's
+    budget is small (docs/benchmarks.md)."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if isinstance(module, kind):
+            yield prefix, module
+            if not inside:
+                continue
+        children = module._modules
+        if children:
+            stack.extend(
+                (f"{prefix}.{name}" if prefix else name, child)
+                for name, child in reversed(children.items())
+                if child is not None
+            )
+
+
 def module_problems(model: nn.Module, mode: Mode) -> list[str]:
     """PEFT modules in ``model`` whose type or state weightsync cannot reproduce, one line per
     kind of problem with the modules it concerns."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
-
-    from .tensors import modules_of_type
 
     layers, wrappers = _module_types()
     found: dict[str, list[str]] = {}

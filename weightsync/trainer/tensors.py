@@ -11,6 +11,10 @@ This module turns the first into the second without modifying or copying the tra
   engine's dtype, one tensor at a time when its bucket is reached. The trainer's own weights are
   never touched, so there is no merge/unmerge drift (trl#6688) and no whole-model copy.
 - Tied parameters are one tensor with several names; each name the engine loads gets it.
+- A persistent buffer (in ``state_dict``, so in what ``save_pretrained`` writes) that the engine
+  loads is sent like a frozen weight: GLM-4-MoE's and DeepSeek-V3's router
+  ``e_score_correction_bias``. Buffers the engine does not load (``rotary_emb.inv_freq``,
+  non-persistent anyway) are not sent.
 
 The plan (names and shapes) is computed without materialising any tensor, so it can be checked
 against the engine before anything is written.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 from weakref import WeakKeyDictionary
 
 import torch
@@ -75,6 +79,31 @@ def _plain(t: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
     # .detach() shares storage: with a matching dtype the engine reads the trainer's memory
     # directly and nothing is copied on this side.
     return lambda dtype: full(t.detach()).to(dtype)
+
+
+def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s own buffers that ``state_dict`` holds (a non-persistent one, such as
+    ``rotary_emb.inv_freq``, is no checkpoint tensor)."""
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield name, b
+
+
+def _buffer(name: str, b: torch.Tensor) -> Weight:
+    """A persistent buffer as a frozen weight, travelling in the dtype the trainer holds it in,
+    as ``save_pretrained`` writes it: transformers keeps some in float32 in a half-precision
+    model (``_keep_in_fp32_modules_strict``: the router's correction bias) and vLLM holds them
+    so too, so one sent in the engine's dtype would arrive rounded. The engine's loader casts
+    it to whatever it holds, as when it reads that checkpoint (a few bytes either way)."""
+    return Weight(
+        name,
+        tuple(b.shape),
+        lambda dtype: full(b.detach()),
+        source=id(b),
+        held=b.dtype,
+        inputs=(b,),
+        sent=b.dtype,
+    )
 
 
 def _lora_delta(layer: LoraLayer, adapter: str) -> torch.Tensor:
@@ -185,6 +214,7 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Weight]) -> Non
                         inputs=(p,),
                     )
                 )
+        out += [_buffer(prefix + bname, b) for bname, b in _persistent_buffers(base)]
         return
     for pname, p in module.named_parameters(recurse=False):
         _require_floating(prefix + pname, p)
@@ -193,6 +223,7 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Weight]) -> Non
                 prefix + pname, tuple(p.shape), _plain(p), source=id(p), held=p.dtype, inputs=(p,)
             )
         )
+    out += [_buffer(prefix + bname, b) for bname, b in _persistent_buffers(module)]
     for cname, child in module.named_children():
         _walk(child, f"{prefix}{cname}.", merge, out)
 
@@ -209,14 +240,21 @@ def base_tensors(
         expected: the names the engine loads. A tied tensor (``lm_head`` sharing
             ``embed_tokens``) is sent under every one of its names the engine expects, and under
             its first name when the engine expects none of them (so the mismatch is reported).
+            A persistent buffer is sent only under names the engine expects (None: every
+            persistent buffer, as ``save_pretrained`` writes them).
     """
     model = uncompiled(model)
     if is_peft(model):  # refuse what the walk would not reproduce (DoRA, unknown layers, ...)
         peft_support.check(model, "merge" if merge_lora else "serve")
+    inner = inner_model(model)
     found: list[Weight] = []
-    _walk(inner_model(model), "", merge_lora, found)
+    _walk(inner, "", merge_lora, found)
     # In-memory layout -> checkpoint layout (fused MoE experts -> one tensor per expert)
-    found = to_checkpoint(found, checkpoint_layout(inner_model(model)))
+    found = to_checkpoint(found, checkpoint_layout(inner))
+    buffers = {id(b) for b in inner.buffers()}
+    found = [
+        t for t in found if expected is None or t.name in expected or not _is_one_of(t, buffers)
+    ]
     by_param: dict[int, list[Weight]] = {}
     for t in found:
         by_param.setdefault(t.source, []).append(t)
@@ -237,6 +275,11 @@ def base_tensors(
     return result
 
 
+def _is_one_of(t: Weight, tensors: set[int]) -> bool:
+    """Whether ``t`` is one of ``tensors`` (by id) sent as it is."""
+    return len(t.inputs) == 1 and id(t.inputs[0]) in tensors
+
+
 def trained_copies(model: nn.Module) -> list[Weight]:
     """The weights of PEFT ``modules_to_save`` copies (e.g. a trained ``lm_head``).
 
@@ -246,7 +289,7 @@ def trained_copies(model: nn.Module) -> list[Weight]:
     from peft.utils import ModulesToSaveWrapper
 
     out: list[Weight] = []
-    for name, module in modules_of_type(inner_model(model), ModulesToSaveWrapper):
+    for name, module in peft_support.modules_of_type(inner_model(model), ModulesToSaveWrapper):
         if not module.disable_adapters:
             trained = module.modules_to_save[module.active_adapter]
             for pname, p in trained.named_parameters():
@@ -261,35 +304,6 @@ def trained_copies(model: nn.Module) -> list[Weight]:
                     )
                 )
     return out
-
-
-def modules_of_type(
-    root: nn.Module, kind: type | tuple[type, ...], *, inside: bool = False
-) -> Iterator[tuple[str, Any]]:
-    """``(name, module)`` for each module of type ``kind`` below ``root``, in
-    ``named_modules()`` order and under its first name; ``inside``: also below a match (else a
-    match's children are skipped). An explicit stack instead of ``named_modules()``, whose
-    recursive generators pass every module up through each level: the walks of an adapter sync
-    (the allowlist check, the ``modules_to_save`` copies) run every step, and the whole sync's
-    budget is small (docs/benchmarks.md)."""
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", root)]
-    while stack:
-        prefix, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if isinstance(module, kind):
-            yield prefix, module
-            if not inside:
-                continue
-        children = module._modules
-        if children:
-            stack.extend(
-                (f"{prefix}.{name}" if prefix else name, child)
-                for name, child in reversed(children.items())
-                if child is not None
-            )
 
 
 _LAYER = re.compile(r"\.(\d+)\.")

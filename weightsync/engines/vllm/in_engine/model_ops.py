@@ -419,10 +419,15 @@ def _read_facts(worker: Any, config: Any, checkpoint: str) -> EngineFacts:
     )
     read = ckpt.loads_files(config.load_config)
     shapes = dict(ckpt.loaded_shapes(meta_model, files if read else None))
+    layout = checkpoint_shapes(meta_model)
     quant = quantization(config, model)
     if quant is not None and quant.prequantized and read:
-        shapes.update(quantized_entries(files, checkpoint_shapes(meta_model)))
-    tied, _ = fold_tied(tied_parameter_names(model), shapes)
+        shapes.update(quantized_entries(files, layout))
+    # A name vLLM registers a tensor under that no checkpoint of the model holds is no name the
+    # engine loads: GLM-4-MoE's and DeepSeek-V3's experts module holds the gate's
+    # ``e_score_correction_bias`` too, and DeepSeek-V3's loader refuses that name (KeyError).
+    groups = [[n for n in group if n in layout] for group in tied_parameter_names(model)]
+    tied, _ = fold_tied([group for group in groups if len(group) > 1], shapes)
     lora = None
     if config.lora_config is not None:
         limits = config.lora_config
