@@ -17,9 +17,12 @@ conditions:
     bash .ci/env python -m benchmarks.alarm                     # fp32 and bf16 engines
     bash .ci/env python -m benchmarks.alarm --rounds 20 --out /tmp/alarm.json
     bash .ci/env python -m benchmarks.alarm --dtypes bfloat16+fp8_per_channel  # a quantized engine
+    bash .ci/env python -m benchmarks.alarm --dtypes float32 --rounds 1 --trl 8  # + TRL GRPO runs
 
-The TRL rows (a real GRPOTrainer, healthy and with every sync after the first skipped) are
-`tests/test_alarm_vllm.py`'s; this module holds the pieces both use.
+With ``--trl STEPS``: real TRL ``GRPOTrainer`` runs (a tiny Llama trained in float32, the engine
+colocated in float32 and in bfloat16, ``--trl-lrs``), healthy and with every sync after the first
+skipped (trl#5312), scored by weightsync's TRL integration itself: the gap TRL logs for every
+batch (``weightsync/rollout_logp_gap``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from typing import Any
@@ -37,7 +41,7 @@ from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.alarm import rollout_gap
 from weightsync.engines import VLLMEngine
-from weightsync.verify import tolerance_for
+from weightsync.verify import TOLERANCE, tolerance_for
 
 from .console import quiet_vllm
 
@@ -183,6 +187,108 @@ def run(dtype: str, rounds: int, lrs: list[float], folder: str) -> dict[str, Any
     }
 
 
+def trl_run(folder: str, steps: int, lr: float, skip_syncs: bool, dtype: str) -> list[float]:
+    """A real TRL ``GRPOTrainer`` (a tiny Llama trained in float32, vLLM colocated in this
+    process in ``dtype``) with
+    weightsync's integration and its alarm logging: the mean gap of every batch. ``skip_syncs``:
+    every sync after the first does nothing (the trl#5312 kind of bug: rollouts from stale
+    weights)."""
+    import socket
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.generation import vllm_generation as trl_vllm
+
+    from weightsync.integrations.trl import use_weightsync
+
+    tokenizer = T.build_tokenizer(f"{folder}/tokenizer")
+    checkpoint = f"{folder}/checkpoint"
+    model = T.tiny_model(
+        "llama", eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    T.save_checkpoint(model, checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    with socket.socket() as s:  # the trainer's process group, on loopback
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    make_llm = trl_vllm.LLM
+    cpu = dict(dtype=dtype, enforce_eager=True, kv_cache_memory_bytes=32 << 20)
+    trl_vllm.LLM = lambda *args, **kwargs: make_llm(*args, **{**kwargs, **cpu})
+    trainer = None
+    try:
+        args = GRPOConfig(
+            output_dir=f"{folder}/out",
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_max_model_length=128,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=steps,
+            learning_rate=lr,
+            gradient_checkpointing=False,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+            model_init_kwargs={"dtype": torch.float32},
+        )
+        trainer = GRPOTrainer(
+            model=checkpoint,
+            reward_funcs=lambda completions, **_: [float(len(set(c))) for c in completions],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": T.TEXT * 3}),
+            processing_class=tokenizer,
+        )
+        use_weightsync(trainer, alarm="log")
+        if skip_syncs:
+            vg = trainer.vllm_generation
+            sync_weights, synced = vg.sync_weights, []
+
+            def first_sync_only() -> None:
+                if not synced:
+                    sync_weights()
+                synced.append(True)
+
+            vg.sync_weights = first_sync_only
+        trainer.train()
+        key = "weightsync/rollout_logp_gap"
+        return [h[key] for h in trainer.state.log_history if key in h]
+    finally:
+        trl_vllm.LLM = make_llm
+        if trainer is not None:
+            trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
+
+
+def trl_rows(folder: str, steps: int, lrs: list[float], dtype: str) -> dict[str, Any]:
+    """`trl_run` healthy and with its syncs skipped, at each learning rate: the table's rows."""
+    gaps: dict[str, list[float]] = {}
+    for lr in lrs:
+        for skip in (False, True):
+            name = f"{'syncs skipped after the first' if skip else 'healthy'}, lr {lr:g}"
+            run = trl_run(f"{folder}/{dtype}-{len(gaps)}", steps, lr, skip, dtype)
+            gaps[name] = run if not skip else run[1:]  # the first batch follows a real sync
+    bound = TOLERANCE[getattr(torch, dtype)].mean
+    return {
+        "dtype": f"TRL GRPO, {dtype} engine",
+        "bound": bound,
+        "rounds": steps,
+        "conditions": {
+            name: {
+                "mean_gap_min": min(v),
+                "mean_gap_median": statistics.median(v),
+                "mean_gap_max": max(v),
+                "alarm_rate": sum(g > bound for g in v) / len(v),
+                "batches": len(v),
+            }
+            for name, v in gaps.items()
+            if v
+        },
+    }
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| engine | condition | mean gap median (min-max) | bound | alarms |",
@@ -193,13 +299,12 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {res['dtype']} | {name} | {c['mean_gap_median']:.4g} "
                 f"({c['mean_gap_min']:.4g}-{c['mean_gap_max']:.4g}) | {res['bound']:g} | "
-                f"{c['alarm_rate']:.0%} of {res['rounds']} |"
+                f"{c['alarm_rate']:.0%} of {c.get('batches', res['rounds'])} |"
             )
     return "\n".join(lines)
 
 
 def main() -> None:
-    import os
     import tempfile
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -209,14 +314,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-5, 1e-4, 1e-3])
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--trl",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also STEPS-step TRL GRPO runs, healthy and with syncs skipped (at --trl-lrs)",
+    )
+    parser.add_argument("--trl-lrs", nargs="+", type=float, default=[1e-3, 2e-2])
+    parser.add_argument("--trl-dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="weightsync-alarm-") as folder:
         results = [run(d, args.rounds, args.lrs, folder) for d in args.dtypes]
+        if args.trl:
+            for dtype in args.trl_dtypes:
+                results.append(trl_rows(f"{folder}/trl", args.trl, args.trl_lrs, dtype))
     print(table(results))
     for res in results:
-        print(
-            f"{res['dtype']}: one check of 8 x 16 tokens {res['check_seconds_median'] * 1e6:.0f} us"
-        )
+        if "check_seconds_median" in res:
+            seconds = res["check_seconds_median"]
+            print(f"{res['dtype']}: one check of 8 x 16 tokens {seconds * 1e6:.0f} us")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

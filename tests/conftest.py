@@ -40,6 +40,7 @@ from benchmarks.processes import stretched
 from weightsync import Syncer
 from weightsync import testing as T
 from weightsync.engines import WORKER_EXTENSION, Engine, VLLMEngine
+from weightsync.testing import TEXT, build_tokenizer  # noqa: F401 (the trainer tests' imports)
 
 pytest_plugins = ["pytester"]
 
@@ -437,38 +438,6 @@ def plain_engine(checkpoint):
 
 
 #: What the trainer tests' tokenizer is trained on, and their prompts.
-TEXT = [
-    "the quick brown fox jumps over the lazy dog",
-    "a tiny model learns to count: one two three four five",
-    "weights go from the trainer to the rollout engine after every step",
-    "sleep level two discards the weights; level one keeps them on the host",
-]
-
-
-def build_tokenizer(folder, vocab: int = 1024):
-    """A byte-level BPE trained on ``TEXT`` (no hub), padded with extra tokens to ``vocab`` (the
-    tiny models' vocabulary) and saved in ``folder``; what the trainer tests (TRL, ms-swift) load."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXT * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    fast.add_tokens([f"<x{i}>" for i in range(vocab - len(fast))])
-    assert len(fast) == vocab
-    fast.save_pretrained(str(folder))
-    return fast
-
-
 # --- an AsyncLLM on an event loop of its own (test_asyncllm_vllm, test_async_rl_vllm) ---------
 
 R = TypeVar("R")

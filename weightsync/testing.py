@@ -337,3 +337,36 @@ def check_engine_contract(engine: Engine | Any, model: nn.Module, *, atol: float
     with tempfile.TemporaryDirectory(prefix="weightsync-contract-") as snapshot:
         ReloadWeights(snapshot_dir=snapshot).sync(started, engine)
     assert_matches(started, engine, atol=atol)
+
+
+#: Prompts of the trainer tests and of the alarm benchmark's TRL runs (a text dataset).
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "a tiny model learns to count: one two three four five",
+    "weights go from the trainer to the rollout engine after every step",
+    "sleep level two discards the weights; level one keeps them on the host",
+]
+
+
+def build_tokenizer(folder: str | Path, vocab: int = 1024) -> Any:
+    """A byte-level BPE trained on ``TEXT`` (no hub), padded with extra tokens to ``vocab`` (the
+    tiny models' vocabulary) and saved in ``folder``; what the trainer tests (TRL, ms-swift) load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.add_tokens([f"<x{i}>" for i in range(vocab - len(fast))])
+    assert len(fast) == vocab
+    fast.save_pretrained(str(folder))
+    return fast
