@@ -173,10 +173,19 @@ def modules_of_type(
 ) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each module of type ``kind`` below ``root``, in
     ``named_modules()`` order and under its first name; ``inside``: also below a match (else a
-    match's children are skipped). An explicit stack instead of ``named_modules()``, whose
-    recursive generators pass every module up through each level: the walks of an adapter sync
-    (the allowlist check, the ``modules_to_save`` copies) run every step, and the whole sync's
-    budget is small (docs/benchmarks.md)."""
+    match's children are skipped).
+
+    A PEFT tuner layer's own adapter containers -- the children it names in
+    ``adapter_layer_names`` and ``other_param_names`` (``lora_A``, ``lora_B``, ``lora_dropout``,
+    ...: one small module per adapter) -- are not walked: PEFT declares them as holding that
+    layer's adapters, never a tuner layer or a wrapper of the model's own; what the layer wraps
+    (``base_layer``, where a nested tuner layer sits) is walked. They are five in six modules of a
+    LoRA model. An explicit stack instead of ``named_modules()``, whose recursive generators pass
+    every module up through each level. Both because the walks of an adapter sync (the
+    allowlist check, the ``modules_to_save`` copies) run every step, and the whole sync's budget
+    is small (docs/benchmarks.md)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
@@ -189,12 +198,16 @@ def modules_of_type(
             if not inside:
                 continue
         children = module._modules
-        if children:
-            stack.extend(
-                (f"{prefix}.{name}" if prefix else name, child)
-                for name, child in reversed(children.items())
-                if child is not None
-            )
+        if not children:
+            continue
+        own: tuple[str, ...] = ()
+        if isinstance(module, BaseTunerLayer):
+            own = (*module.adapter_layer_names, *module.other_param_names)
+        stack.extend(
+            (f"{prefix}.{name}" if prefix else name, child)
+            for name, child in reversed(children.items())
+            if child is not None and name not in own
+        )
 
 
 def module_problems(model: nn.Module, mode: Mode) -> list[str]:
