@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from weightsync import AdapterSync, FullSync
+from weightsync.engines.vllm.in_engine import model_ops
 from weightsync.trainer.tensors import DEFAULT_BUCKET_BYTES, base_tensors, buckets
 
 from . import anchors
@@ -21,7 +22,7 @@ from . import anchors
 def full_sync(engine: Any, model: Any) -> dict[str, Any]:
     """Where the seconds of FullSync dense of ``model`` into ``engine`` (in-process) go, and
     those of vLLM's own reload of the engine's checkpoint (the like-for-like pair on an untied
-    model).
+    model), and what the KV-cache clear every completed reload makes costs alone.
 
     Three splits, each timed without the profiler: the trainer side alone (plan + check +
     materialising the buckets, no engine), vLLM's processing alone (reload_weights of an
@@ -44,6 +45,9 @@ def full_sync(engine: Any, model: Any) -> dict[str, Any]:
             kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True},
         )
 
+    def clear_kv() -> None:
+        engine.llm.collective_rpc(model_ops.clear_kv_cache)
+
     full = lambda: FullSync(skip_unchanged=False).sync(model, engine)  # noqa: E731
     reload = lambda: anchors.vllm_reload(engine, checkpoint)  # noqa: E731
     for name, fn in [
@@ -51,6 +55,7 @@ def full_sync(engine: Any, model: Any) -> dict[str, Any]:
         ("vllm_reload_weights_in_memory_list", vllm_only),
         ("full_dense", full),
         ("vllm_reload_from_checkpoint", reload),
+        ("clear_kv_cache", clear_kv),
     ]:
         fn()
         times = []

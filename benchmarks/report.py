@@ -207,6 +207,7 @@ def profile_table(p: dict[str, Any]) -> str:
         f"| vLLM only: reload_weights of an in-memory list | {p['vllm_reload_weights_in_memory_list']:.4f} |",
         f"| FullSync dense, whole | {p['full_dense']:.4f} |",
         f"| vLLM reload_weights from page-cached checkpoint | {p['vllm_reload_from_checkpoint']:.4f} |",
+        f"| weightsync's KV-cache clear alone (inside every completed FullSync above; vLLM's own reload makes none) | {p.get('clear_kv_cache', float('nan')):.4f} |",
         "",
         "| cProfile cumulative seconds | FullSync dense | vLLM reload from checkpoint |",
         "|---|---|---|",

@@ -16,8 +16,9 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   directly on the ``vllm.LLM`` (in-process and multiprocess); another HTTP client's ``/sleep``
   and ``/wake_up`` on a server; a sleep weightsync cannot see that the caller reports (the
   ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
-  After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself,
-  without telling weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset;
+  After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself
+  (random, one ``v_proj`` NaN, so what it serves leaves NaN in the KV cache), without telling
+  weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset;
 - in the served set-up, merged syncs into the same engine now and then (a second ``Syncer``
   told the engine does not serve LoRA, or ``FullSync(lora="merge")`` directly), and frameworks
   that write the frozen base without marking it unsynced: the next served sync must restore the
@@ -157,11 +158,8 @@ class Phys:
         """What a level-2 sleep does on a GPU: the weights are gone. Written through vLLM, not
         through weightsync, which is not told."""
         if self.kind == "inproc":
-            gen = torch.Generator().manual_seed(4321)
-            pairs = [
-                (n, (torch.randn(s, generator=gen) * 0.3).to(self.adapter.dtype))
-                for n, s in self.adapter.expected_weights.items()
-            ]
+            garbage = _garbage(dict(self.adapter.expected_weights))
+            pairs = [(n, t.to(self.adapter.dtype)) for n, t in garbage.items()]
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
             )
@@ -237,12 +235,18 @@ def _write_garbage_checkpoint(expected: dict, folder: Path) -> str:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(4321)
-    save_file(
-        {n: (torch.randn(s, generator=gen) * 0.3).contiguous() for n, s in expected.items()},
-        str(folder / "model.safetensors"),
-    )
+    save_file(_garbage(expected), str(folder / "model.safetensors"))
     return str(folder)
+
+
+def _garbage(expected: dict) -> dict[str, torch.Tensor]:
+    """Random weights, one ``v_proj`` of them NaN: what a GPU's discarded memory may hold. Every
+    request served from them fills its KV-cache blocks with NaN, which the next honest sync must
+    not leave behind (docs/failure-modes.md, row 38)."""
+    gen = torch.Generator().manual_seed(4321)
+    out = {n: (torch.randn(s, generator=gen) * 0.3).contiguous() for n, s in expected.items()}
+    out[next(n for n in out if "v_proj.weight" in n)].fill_(float("nan"))
+    return out
 
 
 @pytest.fixture(scope="module")

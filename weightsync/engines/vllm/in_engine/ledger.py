@@ -233,6 +233,14 @@ def _ledger(worker: Any, asleep: bool) -> Ledger:
     return ledger if ledger is not None else _install(worker, asleep)
 
 
+def kv_cache_awake(obj: Any) -> bool:
+    """Whether this worker's KV cache is known to be in memory: a ledger watches its sleeps
+    and none put the cache to sleep since its last wake (False when no ledger watches: a GPU
+    cache asleep is unmapped memory, which must not be touched)."""
+    ledger = getattr(worker_of(obj), "_weightsync_ledger", None)
+    return ledger is not None and "kv_cache" not in ledger.asleep
+
+
 def note_adapter(obj: Any) -> None:
     """Count an adapter write made without ``add_lora`` (weightsync's in-memory install)."""
     _ledger(worker_of(obj), asleep=False).adapters += 1

@@ -27,7 +27,7 @@ from ....wire import format as fmt
 from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
 from . import checkpoint as ckpt
-from .ledger import worker_of
+from .ledger import kv_cache_awake, worker_of
 
 
 def reload(
@@ -58,6 +58,9 @@ def reload(
     ``{"complete": ...}``, whether every name of ``expected`` (the engine's weights) was
     loaded: a full restore.
 
+    After a completed reload the KV cache is cleared (`clear_kv_cache`): blocks filled under the
+    weights it replaced may hold NaN.
+
     Returns the outcome instead of raising (see ``wire.protocol``); an interrupt
     (``KeyboardInterrupt``) is re-raised after the recovery."""
     worker = worker_of(obj)
@@ -74,6 +77,7 @@ def reload(
                 )
         if has_cpu_moe(model):
             repack_cpu_moe(model)
+        clear_kv_cache(worker)
     except BaseException as e:
         written = finished_layers(worker)
         abandon(worker)
@@ -83,6 +87,35 @@ def reload(
         return dataclasses.replace(failed, value={RELOAD_REPORT: {"written": written}})
     complete = bool(expected) and all(name in seen for name in expected)
     return Outcome(rank=rank, value={RELOAD_REPORT: {"complete": complete}})
+
+
+def clear_kv_cache(obj: Any) -> None:
+    """Zero every KV-cache block of this worker, if its cache is in memory (`kv_cache_awake`).
+
+    Why: weights weightsync did not write (another client's, a wake without restore) may have
+    made NaN, and their requests' keys and values stay in the blocks: a prefix-cache reset
+    forgets which prompt a block held but not what it holds, and an attention kernel that
+    reads the unwritten slots of a reused block multiplies them by weight 0 -- NaN again. A
+    reload is where the weights change, so every completed one leaves no block from before
+    (docs/failure-modes.md, row 38); requests in flight recompute theirs after it (the prefix
+    cache reset every write makes). Cost: one pass over the cache's memory
+    (docs/benchmarks.md)."""
+    worker = worker_of(obj)
+    if not kv_cache_awake(worker):
+        return
+    with torch.no_grad():
+        for cache in _tensors(getattr(worker.model_runner, "kv_caches", None)):
+            cache.zero_()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, which may nest them in lists and tuples (per layer, per
+    virtual engine)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _noting(
