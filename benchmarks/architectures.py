@@ -7,11 +7,20 @@ wrap it in `VLLMEngine` (which reads the engine's contract), sleep at level 2 (t
 simulated: vLLM's CPU sleep keeps the weights), FullSync the checkpoint's own weights and compare
 with the fresh engine (what vLLM itself loaded), then FullSync the perturbed trainer's model and
 compare greedy tokens and logprobs with transformers again; then the first-sync canary
-(`weightsync.verify.check_engine`) on the synced engine. One process per architecture because
+(`weightsync.verify.check_engine`) on the synced engine. ``--dtype bfloat16`` runs it all in
+bfloat16, the trainer loaded as transformers loads a bfloat16 model (``from_pretrained``, which
+keeps some modules in float32: ``_keep_in_fp32_modules``) and trained a step before it is
+saved, the engine in bfloat16; there the
+fresh engine may differ from transformers by rounding, and what is exact or not is the FullSync
+of the checkpoint's own weights against the fresh engine, bitwise (greedy tokens and logprobs,
+and the canary prompts' top-8 logprobs). Each
+result names the weights the engine holds in another dtype (`EngineFacts.held`). One process
+per architecture because
 vLLM's process-wide state does not survive a failed start (docs/vllm-cpu notes) and an MoE
 engine starts only beside MoE engines.
 
-Run: ``bash .ci/env python -m benchmarks.architectures [--only llama,olmoe] [--timeout 240]``;
+Run: ``bash .ci/env python -m benchmarks.architectures [--only llama,olmoe] [--timeout 240]
+[--dtype bfloat16]``;
 prints one line per architecture and a markdown table (docs/failure-modes.md keeps the last).
 Not a CI test: ~30-60 s per architecture on 2 cores.
 """
@@ -187,22 +196,41 @@ def _short(err: BaseException) -> str:
     return text[:300]
 
 
-def survey_one(model_type: str, folder: str) -> dict[str, Any]:
-    """Run one architecture through the steps of the module docstring; the result as a dict
-    (``stage`` the last stage reached, ``error`` what stopped it)."""
+def load_as(folder: str, dtype: str) -> Any:
+    """The model saved in ``folder`` as transformers loads it in ``dtype`` (eval, eager)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype), attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def survey_one(model_type: str, folder: str, dtype: str = "float32") -> dict[str, Any]:
+    """Run one architecture through the steps of the module docstring, in ``dtype``; the
+    result as a dict (``stage`` the last stage reached, ``error`` what stopped it)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from weightsync import FullSync
     from weightsync import testing as T
     from weightsync.engines import VLLMEngine
-    from weightsync.engines.vllm.control import greedy_generate
+    from weightsync.engines.vllm.control import greedy_generate, score_prompts
     from weightsync.errors import WeightSyncError
-    from weightsync.verify import check_engine, max_abs_diff, trainer_logprobs
+    from weightsync.verify import canary_prompts, check_engine, max_abs_diff, trainer_logprobs
 
     result: dict[str, Any] = {"arch": model_type, "kind": ARCHITECTURES[model_type][0]}
+    result["dtype"] = dtype
     stage = "build"
     try:
         model = build(model_type)
         T.save_checkpoint(model, folder)
+        if dtype != "float32":
+            model = load_as(folder, dtype)
+            # A step before the checkpoint: a float32 weight of a bfloat16 model (a router
+            # transformers keeps in float32) leaves bfloat16's grid only once trained, and
+            # the config's own init dtype may be bfloat16 (Ernie 4.5 MoE's is).
+            T.perturb(model, seed=2, scale=0.01)
+            T.save_checkpoint(model, folder)  # the checkpoint the engine starts from
         result["class"] = type(model).__name__
         # What the trainer generates, before and after a step, computed before vLLM starts:
         # vLLM's Transformers modeling backend decorates transformers' own decoder class in
@@ -216,13 +244,18 @@ def survey_one(model_type: str, folder: str) -> dict[str, Any]:
         ]
         stage = "start"
         t0 = time.perf_counter()
-        llm = T.make_llm(folder)
+        llm = T.make_llm(folder, dtype=dtype)
         result["start_s"] = round(time.perf_counter() - t0, 1)
         stage = "fresh"
         served = greedy_generate(llm.llm_engine, T.PROMPTS, 8, None)
+        # the canary prompts' top-8 logprobs too: a small change (a router rounded) can leave
+        # a few greedy tokens and their logprobs bitwise alone
+        canary = canary_prompts(model.config.vocab_size)
+        scored = score_prompts(llm.llm_engine, canary, 8, None)
         result["fresh_exact"] = [tokens for tokens, _ in served] == fresh
         stage = "contract"
         engine = VLLMEngine(llm)
+        result["held"] = dict(engine.facts.held)
         stage = "sync"
         engine.sleep(2)
         engine.wake_up()
@@ -232,6 +265,9 @@ def survey_one(model_type: str, folder: str) -> dict[str, Any]:
         FullSync().sync(original, engine, verify=False)
         again = engine.greedy_batch(T.PROMPTS, 8)
         result["resync_fresh"] = [list(t) for t, _ in again] == [list(t) for t, _ in served]
+        result["resync_bitwise"] = [(list(t), list(lp)) for t, lp in again] == [
+            (list(t), list(lp)) for t, lp in served
+        ] and engine.score_batch(canary, 8) == scored
         FullSync().sync(model, engine, verify=False)  # the canary runs below, on its own
         after = engine.greedy_batch(T.PROMPTS, 8)
         result["sync_exact"] = [tokens for tokens, _ in after] == trained
@@ -254,13 +290,14 @@ def survey_one(model_type: str, folder: str) -> dict[str, Any]:
     return result
 
 
-def run(model_type: str, timeout: float) -> dict[str, Any]:
+def run(model_type: str, timeout: float, dtype: str = "float32") -> dict[str, Any]:
     """`survey_one` in a child process of its own session, killed (its whole process group,
     by id) after ``timeout`` seconds."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix=f"weightsync-arch-{model_type}-") as folder:
-        cmd = [sys.executable, "-m", "benchmarks.architectures", "--child", model_type, folder]
+        cmd = [sys.executable, "-m", "benchmarks.architectures", "--dtype", dtype]
+        cmd += ["--child", model_type, folder]
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
@@ -288,6 +325,14 @@ def run(model_type: str, timeout: float) -> dict[str, Any]:
 
 def verdict(r: dict[str, Any]) -> str:
     """One cell: what happened to the architecture."""
+    if r.get("stage") == "done" and r.get("dtype", "float32") != "float32":
+        again = (
+            "the checkpoint's weights re-synced serve bitwise what the fresh engine served"
+            if r.get("resync_bitwise")
+            else "**the checkpoint's weights re-synced serve other logprobs than the fresh engine**"
+        )
+        trained = "= transformers" if r.get("sync_exact") else "differ from transformers"
+        return f"{again}; the trained weights' tokens {trained}"
     if r.get("stage") == "done":
         if r.get("sync_exact"):
             return "syncs exactly"
@@ -302,11 +347,20 @@ def verdict(r: dict[str, Any]) -> str:
     return f"{where.get(r['stage'], 'fails at ' + r['stage'])}: {r.get('error', '')}"
 
 
+def held_cell(held: dict[str, str] | None) -> str:
+    """The weights an engine holds in another dtype, by their last two name components
+    (``gate.weight (float32)``); "-" when not known."""
+    if held is None:
+        return "-"
+    kinds = {".".join(name.split(".")[-2:]): dtype for name, dtype in held.items()}
+    return ", ".join(f"{k} ({d})" for k, d in sorted(kinds.items())) or "none"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| architecture | kind | starts | fresh engine = transformers | after level-2 + FullSync "
-        "| canary (first-sync verification) |",
-        "|---|---|---|---|---|---|",
+        "| canary (first-sync verification) | held in another dtype |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         starts = {"build": "-", "start": "no", "timeout": "?", "crashed": "?"}.get(
@@ -316,7 +370,10 @@ def table(results: list[dict[str, Any]]) -> str:
         canary = r.get("canary", "-")
         if canary == "passed":
             canary = f"passed (mean diff {r['canary_mean_diff']:.1e})"
-        rows.append(f"| {r['arch']} | {r['kind']} | {starts} | {fresh} | {verdict(r)} | {canary} |")
+        held = held_cell(r.get("held"))
+        rows.append(
+            f"| {r['arch']} | {r['kind']} | {starts} | {fresh} | {verdict(r)} | {canary} | {held} |"
+        )
     return "\n".join(rows)
 
 
@@ -325,19 +382,20 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
     parser.add_argument("--out", default="", help="write the results as JSON here")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         from benchmarks.console import quiet_vllm
 
         quiet_vllm()
-        print(json.dumps(survey_one(*args.child)), flush=True)
+        print(json.dumps(survey_one(*args.child, dtype=args.dtype)), flush=True)
         return
     names = [n for n in args.only.split(",") if n] or list(ARCHITECTURES)
     results = []
     for name in names:
         t0 = time.perf_counter()
-        r = run(name, args.timeout)
+        r = run(name, args.timeout, args.dtype)
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(r)
         print(f"{name}: {verdict(r)} ({r['wall_s']} s)", flush=True)

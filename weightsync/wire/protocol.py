@@ -125,6 +125,12 @@ class EngineFacts:
         world_size: how many workers the engine has.
         cpu: on a CPU engine, the instruction set its workers' kernels run on, as torch names it
             (``"AVX2"``, ``"AVX512"``); empty on a GPU or when not known (a stock server).
+        held: checkpoint name -> the dtype (a torch dtype's name) the engine holds that weight
+            in, for each weight it holds in a floating dtype other than ``dtype``: vLLM builds
+            some routers in float32 inside a bfloat16 model (Ernie 4.5 MoE's ``gate.weight``
+            and ``e_score_correction_bias``), and a weight sent in ``dtype`` would arrive
+            rounded there. Empty when there is none or it is not known (a stock server, an
+            extension older than this field): weights then travel in ``dtype``.
     """
 
     dtype: str
@@ -140,6 +146,7 @@ class EngineFacts:
     world_size: int = 1
     cpu: str = ""
     architecture: str = ""
+    held: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,6 +183,7 @@ class EngineFacts:
             world_size=int(data.get("world_size", 1)),
             cpu=str(data.get("cpu", "")),
             architecture=str(data.get("architecture", "")),
+            held={str(k): str(v) for k, v in (data.get("held") or {}).items()},
         )
 
 

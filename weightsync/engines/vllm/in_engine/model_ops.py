@@ -10,6 +10,7 @@ backend) and in the trainer's process for an in-process ``LLM``
 - `repack_cpu_moe`: the CPU expert prepack vLLM-CPU's reload skips;
 - `onednn_scales_kept`: keeps alive what vLLM-CPU's INT8 (oneDNN) kernel points at across a reload;
 - `read_facts`: what the engine loads and serves (`EngineFacts`), from the model it built;
+- `held_dtypes`: the weights it holds in another dtype than it computes in (float32 routers);
 - `tied_parameter_names` / `fold_tied`: tied names, which a checkpoint stores once.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
@@ -486,7 +488,58 @@ def _read_facts(worker: Any, config: Any, checkpoint: str) -> EngineFacts:
         files=tuple(files),
         world_size=config.parallel_config.world_size,
         cpu=cpu_capability(),
+        held=held_dtypes(model, shapes, model_config.dtype),
     )
+
+
+#: The floating dtypes a weight can be held in unquantized; a quantized one (float8, int8,
+#: packed int32) is the quantization's business (``trainer/quantize.py``), not reported here.
+_FLOATING = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def held_dtypes(
+    model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
+) -> dict[str, str]:
+    """Checkpoint name -> dtype name of every weight of ``shapes`` (the names the engine loads)
+    that ``model`` holds in a floating dtype other than ``dtype``, read from its parameters.
+
+    vLLM's name for a parameter is usually the checkpoint's. Where a model's loader renames
+    (Ernie 4.5 MoE holds ``mlp.moe_statics.e_score_correction_bias`` as
+    ``mlp.gate.e_score_correction_bias``), the parameter stands for every loaded name of the
+    same decoder layer (or, outside layers, of no layer) with the same last component and
+    number of elements; reporting one too many costs a few bytes (a weight sent in float32 into
+    a bfloat16 parameter is rounded by the engine as the trainer would have), one too few a
+    rounded router. A fused parameter (``qkv_proj``, ``w13_weight``) is built in the engine's
+    dtype by vLLM's linear and expert layers, so it is never reported.
+    """
+    by_scope: dict[tuple[str, str, int], list[str]] = {}
+    for name, shape in shapes.items():
+        layer = _LAYER.match(name)
+        key = (layer.group(1) if layer else "", name.rsplit(".", 1)[-1], _numel(shape))
+        by_scope.setdefault(key, []).append(name)
+    held: dict[str, str] = {}
+    for vllm_name, p in model.named_parameters():
+        if p.dtype == dtype or p.dtype not in _FLOATING:
+            continue
+        name = vllm_name.replace(".base_layer.", ".")
+        if name in shapes:
+            names = [name]
+        else:
+            layer = _LAYER.match(name)
+            names = by_scope.get(
+                (layer.group(1) if layer else "", name.rsplit(".", 1)[-1], p.numel()), []
+            )
+        for found in names:
+            held[found] = str(p.dtype).removeprefix("torch.")
+    return held
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def cpu_capability() -> str:
