@@ -29,6 +29,8 @@ from weightsync.engines import (
     VLLMServerEngine,
     WeightTransferFiles,
 )
+from weightsync.engines.vllm.control import Commit
+from weightsync.engines.vllm.server_lease import COMMIT_PATH
 from weightsync.errors import AuthError, BytesRejectedError
 from weightsync.wire import gloo
 
@@ -120,6 +122,7 @@ def test_every_weight_changing_route_turns_away_a_caller_without_the_token(
         ("POST", "/v1/unload_lora_adapter", {"json": {"lora_name": "weightsync"}}),
         ("GET", "/server_info", {}),
         ("POST", "/a_route_a_later_vllm_adds", {}),
+        ("POST", COMMIT_PATH, {"json": Commit("x", (("rpc", *reload.values()),)).to_json()}),
     ]
     for headers in ({}, {"X-Weightsync-Token": "not-the-token-" + TOKEN[:8]}):
         for method, path, kwargs in calls:

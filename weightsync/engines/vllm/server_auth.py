@@ -103,8 +103,21 @@ class RequireToken:
         await answer_error(send, 401, f"weightsync token required for {path} ({HEADER} header)")
 
     def _allowed(self, scope: Scope) -> bool:
-        given = [v for k, v in scope.get("headers", []) if k.lower() == HEADER.encode()]
-        return len(given) == 1 and hmac.compare_digest(given[0], self._token)
+        return _carries(scope, self._token)
+
+
+def admitted(scope: Scope) -> bool:
+    """Whether a request may run a route another middleware answers itself (the pause
+    lease's commit): it carries the token of this server's environment, or the environment
+    holds none (a server without the guard). That middleware may sit outside the guard
+    (``--middleware`` order), so it asks here, not the guard."""
+    token = os.environ.get(TOKEN_ENV, "")
+    return not token or _carries(scope, token.encode())
+
+
+def _carries(scope: Scope, token: bytes) -> bool:
+    given = [v for k, v in scope.get("headers", []) if k.lower() == HEADER.encode()]
+    return len(given) == 1 and hmac.compare_digest(given[0], token)
 
 
 async def answer_error(
