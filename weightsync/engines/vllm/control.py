@@ -29,9 +29,8 @@ from ...errors import (
 )
 from ...wire.protocol import LoraLimits, Outcome, raise_failures
 from ..base import Attestation
+from .server_auth import COMMIT_PATH, FENCED_HEADER, LEASE_HEADER
 from .server_auth import HEADER as TOKEN_HEADER
-from .server_lease import COMMIT_PATH, FENCED_HEADER
-from .server_lease import HEADER as LEASE_HEADER
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"

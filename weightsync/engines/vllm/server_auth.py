@@ -33,6 +33,16 @@ TOKEN_ENV = "WEIGHTSYNC_TOKEN"
 #: The request header carrying it.
 HEADER = "x-weightsync-token"
 
+#: The names weightsync's trainer and its pause lease (``server_lease.py``) share, here so that
+#: the trainer's side imports no middleware: the header carrying a pause's lease id (answered by
+#: ``/pause``, sent back by the trainer), the header of a fenced server's 503 answers (the
+#: trainer tells them from other 503s by it), and the route that runs a whole commit on the
+#: server's side in one call (``POST``, a ``control.Commit`` as JSON; answers a
+#: ``control.Committed``).
+LEASE_HEADER = "x-weightsync-lease"
+FENCED_HEADER = "x-weightsync-fenced"
+COMMIT_PATH = "/weightsync/commit"
+
 #: Shortest token accepted: a guessable token guards nothing.
 MIN_TOKEN_CHARS = 16
 

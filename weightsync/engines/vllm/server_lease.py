@@ -78,8 +78,21 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from .server_auth import (
+    COMMIT_PATH,
+    FENCED_HEADER,
+    LEASE_HEADER,
+    OPEN,
+    Receive,
+    Scope,
+    Send,
+    admitted,
+    answer_error,
+)
 from .server_auth import HEADER as TOKEN_HEADER
-from .server_auth import OPEN, Receive, Scope, Send, admitted, answer_error
+
+#: The header carrying the lease id (answered by ``/pause``, sent back by the trainer).
+HEADER = LEASE_HEADER
 
 #: The server's environment variable holding the lease, in seconds.
 LEASE_ENV = "WEIGHTSYNC_PAUSE_LEASE_S"
@@ -88,16 +101,6 @@ LEASE_ENV = "WEIGHTSYNC_PAUSE_LEASE_S"
 #: milliseconds, so seconds of silence mean nobody is left to resume.
 DEFAULT_LEASE_S = 10.0
 
-#: The header carrying the lease id (answered by ``/pause``, sent back by the trainer).
-HEADER = "x-weightsync-lease"
-
-#: The route that runs a whole commit on the server's side in one call (``POST``, a
-#: ``control.Commit`` as JSON; answers a ``control.Committed``).
-COMMIT_PATH = "/weightsync/commit"
-
-
-#: The header of a fenced server's 503 answers (the trainer tells them from other 503s by it).
-FENCED_HEADER = "x-weightsync-fenced"
 
 #: Routes of `OPEN` that describe the server or its tokenizer and read no weights: they stay
 #: open while the server is fenced.
