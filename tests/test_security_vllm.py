@@ -162,24 +162,25 @@ def test_a_bucket_file_rewritten_before_the_load_is_refused_with_nothing_loaded(
     engine = engines("tmpfs")
     sync_and_check(FullSync(), full_model(ARCH, seed=20), engine)
     before = greedy(engine)
-    forward = engine.rpc
+    forward = engine.control.commit
 
-    def rewrite_then_forward(method, kwargs=None):
-        if method == "weightsync_load_files":  # someone rewrites a file the trainer wrote
-            path = f"{kwargs['folder']}/{kwargs['files'][-1]}"
-            with open(path, "r+b") as f:
-                f.seek(-4, 2)
-                last = f.read(4)
-                f.seek(-4, 2)
-                f.write(bytes(b ^ 0x55 for b in last))
-        return forward(method, kwargs)
+    def rewrite_then_forward(commit):
+        # someone rewrites a file the trainer wrote, just before the commit that loads it
+        [kwargs] = [step[2] for step in commit.steps if step[1] == "weightsync_load_files"]
+        path = f"{kwargs['folder']}/{kwargs['files'][-1]}"
+        with open(path, "r+b") as f:
+            f.seek(-4, 2)
+            last = f.read(4)
+            f.seek(-4, 2)
+            f.write(bytes(b ^ 0x55 for b in last))
+        return forward(commit)
 
-    engine.rpc = rewrite_then_forward  # type: ignore[method-assign]
+    engine.control.commit = rewrite_then_forward  # type: ignore[method-assign]
     try:
         with pytest.raises(BytesRejectedError, match=r"bucket file bucket-\d+.*not the ones"):
             FullSync().sync(full_model(ARCH, seed=21), engine)
     finally:
-        del engine.rpc
+        del engine.control.commit
     assert greedy(engine) == before  # every file is checked before the first is loaded
     sync_and_check(FullSync(), full_model(ARCH, seed=21), engine)
 

@@ -49,12 +49,12 @@ new weights and the rest with their old: a mix, which generates plausible but wr
 The workers report it: every weightsync reload's outcome, and ``weightsync_abandon``'s, carries
 the layers it had finished (``wire.protocol.RELOAD_REPORT``). This middleware reads that report
 in every ``/collective_rpc`` answer (the trainer's call, or the abandon of an expired lease) and
-every worker answer of a commit it runs, and,
-when a failed write had finished any layer, *fences* the server: every route that answers from
-the weights (`GENERATING`: completions, chat, embeddings, scores, ...) is answered 503 with a
-JSON error saying why (header ``X-Weightsync-Fenced``), for every client, and a request already
-admitted when the fence came is refused too (its answer, or the rest of its stream, replaced by
-the error): its tokens may come from the mix. Health and description routes stay open. A
+in every worker answer of a commit it runs, and, when a failed write had finished any layer,
+*fences* the server: every route that answers from the weights (`GENERATING`: completions,
+chat, embeddings, scores, ...) is answered 503 with a JSON error saying why (header
+``X-Weightsync-Fenced``), for every client, and a request already admitted when the fence came
+is refused too (its answer, or the rest of its stream, replaced by the error): its tokens may
+come from the mix. Health and description routes stay open. A
 weightsync write that completes and loaded every weight of the engine (a full restore:
 ``FullSync``, ``ReloadWeights``) lifts it. What is not a mix and does not fence: a write refused
 before its first layer finished (a file whose tag does not match, a trainer that failed while
