@@ -73,24 +73,37 @@ def across(
 
     Why at the pause: a write stages its bytes before pausing, and a server decodes a rollout
     of the tiny model faster than that (every rollout admitted before the sync started had
-    finished by its pause). So the engine's ``control.pause`` is wrapped for the write's
-    duration: the write's own path is unchanged, the requests are running when it lands.
+    finished by its pause). So the engine's ``control.pause`` (and ``control.commit``, for an
+    engine that pauses inside its own commit call) is wrapped for the write's duration: the
+    write's own path is unchanged, the requests are running when it lands.
     """
     control = engine.control
-    pause, resume = control.pause, control.resume
+    pause, resume, commit = control.pause, control.resume, control.commit
     paused, window = threading.Event(), {"resumed": float("inf")}
 
-    def admit_then_pause() -> None:
+    def admit_first() -> None:
         if not paused.is_set():  # the write's first pause (FullSync(lora='separate') has two)
             for prompt, adapter in before:
                 rollouts.admit(prompt, adapter)
             rollouts.wait_started()
+
+    def admit_then_pause() -> None:
+        admit_first()
         pause()
         paused.set()
 
     def note_then_resume() -> None:
         window["resumed"] = min(window["resumed"], time.monotonic())
         resume()
+
+    def admit_then_commit(what: Any) -> Any:
+        # A server with the pause lease, a Ray actor: the engine pauses and resumes inside this
+        # one call (its resume is noted at the call's end, a bound on the late side).
+        admit_first()
+        paused.set()
+        done = commit(what)
+        window["resumed"] = min(window["resumed"], time.monotonic())
+        return done
 
     failed: list[BaseException] = []
 
@@ -101,6 +114,7 @@ def across(
             failed.append(e)
 
     control.pause, control.resume = admit_then_pause, note_then_resume
+    control.commit = admit_then_commit
     try:
         writer = threading.Thread(target=run)
         writer.start()
@@ -111,7 +125,7 @@ def across(
         writer.join(300)
         assert not writer.is_alive(), "the write did not end within 300 s"
     finally:
-        del control.pause, control.resume  # the class's own again
+        del control.pause, control.resume, control.commit  # the class's own again
     if failed:
         raise failed[0]
     assert paused.is_set(), "the write never paused the engine"

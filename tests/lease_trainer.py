@@ -7,9 +7,10 @@ with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at 
 - ``staging``: after the first bucket's file is written, before the server is touched;
 - ``streaming``: over gloo (staged: `GlooTransport.prepare`), after the first bucket was
   broadcast to the workers' stages, before the pause;
-- ``paused``: right after the server answered ``/pause``;
-- ``applied``: right after the workers loaded every file, before the prefix-cache reset and
-  ``/resume``;
+- ``committing``: inside the commit, which the server runs by itself in one call
+  (``server_lease.py``'s commit route): the trainer sends it, watches ``/is_paused`` from
+  another connection and is killed as soon as the server is paused (``INSIDE`` printed first;
+  ``AFTER`` if the call ended before a pause was seen);
 - ``random-tmpfs:<seed>`` / ``random-gloo:<seed>``: at a random moment of the sync (seeded):
   a second sync of the model the server already holds (the first connects) measures how long
   one takes, ``d``; the
@@ -29,13 +30,13 @@ import sys
 import threading
 import time
 
+import requests
 import torch
 from transformers import AutoModelForCausalLM
 
 from weightsync import FullSync
 from weightsync.engines import VLLMServerEngine
 from weightsync.engines.vllm.control import HTTPControl
-from weightsync.engines.vllm.remote import RemoteVLLMEngine
 from weightsync.engines.vllm.transports.gloo import GlooTransport
 from weightsync.engines.vllm.transports.tmpfs import TmpfsTransport
 from weightsync.wire import gloo
@@ -86,24 +87,21 @@ def main(url: str, checkpoint: str, point: str, old: str = "") -> None:
             die()
 
         gloo.send_frame = streaming
-    elif point == "paused":
-        pause = HTTPControl.pause
+    elif point == "committing":
+        post = HTTPControl._session_post
 
-        def paused(self):
-            pause(self)
+        def committing(self, path, body):  # killed once the server's own commit paused it
+            call = threading.Thread(target=post, args=(self, path, body), daemon=True)
+            call.start()
+            probe = requests.Session()
+            while call.is_alive():
+                if probe.get(url + "/is_paused", timeout=60).json()["is_paused"]:
+                    print("INSIDE", flush=True)
+                    die()
+            print("AFTER", flush=True)
             die()
 
-        HTTPControl.pause = paused
-    elif point == "applied":
-        rpc = RemoteVLLMEngine.rpc
-
-        def applied(self, method, kwargs=None):
-            outcomes = rpc(self, method, kwargs)
-            if method == "weightsync_load_files":
-                die()
-            return outcomes
-
-        RemoteVLLMEngine.rpc = applied
+        HTTPControl._session_post = committing
     else:
         raise SystemExit(f"unknown point {point!r}")
     transport = GlooTransport() if point == "streaming" else "tmpfs"

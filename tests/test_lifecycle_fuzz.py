@@ -694,22 +694,23 @@ class Walk:
             stack.callback(setattr, gloo, "broadcast", send)
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
         elif kind == "forged":  # tmpfs: a file rewritten between the trainer's write and the load
-            forward = engine.rpc
+            forward = engine.control.commit  # the commit carries the load (remote.py)
 
-            def rewrite_then_forward(method, kwargs=None, *a, **k):
-                if method == "weightsync_load_files" and kwargs and kwargs.get("files"):
-                    files = kwargs["files"]
-                    name = files[min(at, len(files) - 1)]
-                    with open(f"{kwargs['folder']}/{name}", "r+b") as f:
-                        f.seek(-4, 2)
-                        last = f.read(4)
-                        f.seek(-4, 2)
-                        f.write(bytes(b ^ 0x55 for b in last))
-                    fired.append(at)
-                return forward(method, kwargs, *a, **k)
+            def rewrite_then_forward(commit):
+                for kwargs in (s[2] for s in commit.steps if s[1] == "weightsync_load_files"):
+                    if kwargs.get("files"):
+                        files = kwargs["files"]
+                        name = files[min(at, len(files) - 1)]
+                        with open(f"{kwargs['folder']}/{name}", "r+b") as f:
+                            f.seek(-4, 2)
+                            last = f.read(4)
+                            f.seek(-4, 2)
+                            f.write(bytes(b ^ 0x55 for b in last))
+                        fired.append(at)
+                return forward(commit)
 
-            engine.rpc = rewrite_then_forward
-            stack.callback(delattr, engine, "rpc")
+            engine.control.commit = rewrite_then_forward
+            stack.callback(delattr, engine.control, "commit")
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
         else:
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))

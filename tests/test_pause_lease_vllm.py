@@ -2,9 +2,9 @@
 
 A real server with weightsync's worker extension and pause lease (``server_lease.py``, a short
 lease here), a real trainer process (``tests/lease_trainer.py``) SIGKILLed at one point of a
-FullSync over tmpfs: before the server is touched (staging), right after it paused the server,
-and right after the workers loaded every file (inside the pause, before the reset and resume);
-and over gloo, part-way through the stream the workers stage while they serve (streaming);
+FullSync over tmpfs: before the server is touched (staging), and inside the commit the server
+runs by itself in one call (committing: the server finishes it and resumes at once, not by the
+lease); and over gloo, part-way through the stream the workers stage while they serve (streaming);
 and at a random moment of a sync over each transport (``random-*``: staging, the pause or
 after the end, wherever the seeded delay lands; more seeds with ``WEIGHTSYNC_KILL_SEEDS``).
 A separate client's greedy tokens must then come within a bounded time and be exactly the old
@@ -16,6 +16,7 @@ server serves meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMServerEngine
 from weightsync.engines.vllm.control import HTTPControl
+from weightsync.engines.vllm.server_auth import TOKEN_ENV
+from weightsync.engines.vllm.server_lease import COMMIT_PATH, PauseLease
 from weightsync.errors import PauseExpiredError
 
 LEASE_S = 3.0
@@ -80,8 +83,7 @@ RANDOM_KILLS = [
     [
         ("staging", "old"),
         ("streaming", "old"),
-        ("paused", "old"),
-        ("applied", "new"),
+        ("committing", "new"),
         *RANDOM_KILLS,
     ],
 )
@@ -119,6 +121,9 @@ def test_a_trainer_killed_mid_sync_leaves_a_serving_server(server, point, serves
     assert waited < BOUND_S
     if point in ("staging", "streaming"):  # never paused: answered at once
         assert waited < LEASE_S
+    if point == "committing":  # the server finished the commit and resumed by itself, at once
+        assert "INSIDE" in trainer.stdout, trainer.stdout
+        assert waited < LEASE_S, f"answered after {waited:.1f} s: the lease resumed it"
 
     honest = VLLMServerEngine(server.url)  # a new trainer: its scratch folder sweeps the dead's
     try:
@@ -150,3 +155,28 @@ def test_a_slow_trainer_learns_its_lease_ran_out(server):
         T.assert_matches(model, engine)
     finally:
         engine.close()
+
+
+def test_the_commit_route_asks_for_the_token_itself(monkeypatch):
+    """``--middleware`` order may put the lease outside the token guard: its commit route then
+    checks the token itself, before reading the commit or touching the engine."""
+    monkeypatch.setenv(TOKEN_ENV, "a-token-of-sixteen-chars")
+    reached: list[str] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    lease = PauseLease(app)
+    answers: list[dict] = []
+
+    async def send(message):
+        answers.append(message)
+
+    async def receive():
+        raise AssertionError("the commit was read")
+
+    for headers in ([], [(b"x-weightsync-token", b"not-the-token-of-sixteen")]):
+        scope = {"type": "http", "path": COMMIT_PATH, "method": "POST", "headers": headers}
+        asyncio.run(lease(scope, receive, send))
+        assert answers[-2]["status"] == 401 and b"token required" in answers[-1]["body"]
+    assert not reached and lease._commit is None

@@ -35,7 +35,7 @@ from inflight import PROMPTS, TOKENS, Rollout, across, check
 from benchmarks.processes import ray_cluster, stretched
 from weightsync import AdapterSync, Syncer
 from weightsync import testing as T
-from weightsync.engines import Replicas, adapt
+from weightsync.engines import GlooTransport, Replicas, adapt
 from weightsync.engines.vllm.control import base_label
 from weightsync.errors import (
     BytesRejectedError,
@@ -60,7 +60,7 @@ from weightsync.engines.vllm.ray import (
     RayVLLMEngine,
     WeightsyncActor,
 )
-from weightsync.engines.vllm.ray.actor import STAGE
+from weightsync.engines.vllm.ray.actor import DROP_STAGE, STAGE
 from weightsync.wire import stream
 from weightsync.wire.stream import Kind
 
@@ -377,6 +377,9 @@ def _async_actor_class():
         async def label(self) -> str:
             return await self.engine.get_weight_version()
 
+        async def paused(self) -> bool:
+            return bool(await self.engine.is_paused())
+
         def pids(self) -> list[int]:
             """This process, then the processes the AsyncLLM started."""
             me = psutil.Process()
@@ -438,6 +441,40 @@ def test_an_asyncllm_in_an_async_actor(async_actor):
         ]
         tokens, spans = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)
         assert len(tokens) == 4 and spans and spans[-1][0] == base_label(engine.written_version)
+    finally:
+        engine.close()
+
+
+def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(async_actor):
+    """The trainer commits in one actor call (pause, load, version, reset, resume all run in
+    the actor): a load that fails inside it -- the stage dropped under it, so the workers are
+    handed nothing -- is recovered and resumed by that same call, with no second call from the
+    trainer (a trainer that died there would leave no paused actor); the error reaches the
+    trainer, and the next sync is exact. A transport that would stream inside a pause the
+    trainer holds is refused: no weightsync write leaves an actor's pause to the trainer."""
+    with pytest.raises(ValueError, match="streams inside the engine's pause"):
+        RayVLLMEngine(async_actor, transport=GlooTransport(stage=False))
+    engine = RayVLLMEngine(async_actor, timeout_s=300)
+    try:
+        old = full_model(ARCH, seed=75)
+        sync_and_check(FullSync(), old, engine)
+        expected = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)[0]
+        staged = engine.stage_weights(one_per_bucket(full_model(ARCH, seed=76), engine))
+        engine.rpc(DROP_STAGE)  # the actor lets it go: its commit will find nothing
+        made: list[str] = []
+        call = engine.control.call
+        engine.control.call = lambda name, *args: made.append(name) or call(name, *args)
+        with pytest.raises(RuntimeError, match="nothing is staged"):
+            staged.apply()
+        # One call for the whole commit and its recovery; after it, the trainer's own label of
+        # its lost base (`mark_lost`), nothing of the pause.
+        assert made == ["commit", "label"]
+        staged.drop()
+        assert not ray.get(async_actor.paused.remote(), timeout=60)
+        tokens = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=60)[0]
+        assert tokens == expected
+        engine.control.call = call
+        sync_and_check(FullSync(), full_model(ARCH, seed=77), engine)
     finally:
         engine.close()
 

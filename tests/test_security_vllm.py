@@ -29,6 +29,8 @@ from weightsync.engines import (
     VLLMServerEngine,
     WeightTransferFiles,
 )
+from weightsync.engines.vllm.control import Commit
+from weightsync.engines.vllm.server_lease import COMMIT_PATH
 from weightsync.errors import AuthError, BytesRejectedError
 from weightsync.wire import gloo
 
@@ -120,6 +122,7 @@ def test_every_weight_changing_route_turns_away_a_caller_without_the_token(
         ("POST", "/v1/unload_lora_adapter", {"json": {"lora_name": "weightsync"}}),
         ("GET", "/server_info", {}),
         ("POST", "/a_route_a_later_vllm_adds", {}),
+        ("POST", COMMIT_PATH, {"json": Commit("x", (("rpc", *reload.values()),)).to_json()}),
     ]
     for headers in ({}, {"X-Weightsync-Token": "not-the-token-" + TOKEN[:8]}):
         for method, path, kwargs in calls:
@@ -159,24 +162,25 @@ def test_a_bucket_file_rewritten_before_the_load_is_refused_with_nothing_loaded(
     engine = engines("tmpfs")
     sync_and_check(FullSync(), full_model(ARCH, seed=20), engine)
     before = greedy(engine)
-    forward = engine.rpc
+    forward = engine.control.commit
 
-    def rewrite_then_forward(method, kwargs=None):
-        if method == "weightsync_load_files":  # someone rewrites a file the trainer wrote
-            path = f"{kwargs['folder']}/{kwargs['files'][-1]}"
-            with open(path, "r+b") as f:
-                f.seek(-4, 2)
-                last = f.read(4)
-                f.seek(-4, 2)
-                f.write(bytes(b ^ 0x55 for b in last))
-        return forward(method, kwargs)
+    def rewrite_then_forward(commit):
+        # someone rewrites a file the trainer wrote, just before the commit that loads it
+        [kwargs] = [step[2] for step in commit.steps if step[1] == "weightsync_load_files"]
+        path = f"{kwargs['folder']}/{kwargs['files'][-1]}"
+        with open(path, "r+b") as f:
+            f.seek(-4, 2)
+            last = f.read(4)
+            f.seek(-4, 2)
+            f.write(bytes(b ^ 0x55 for b in last))
+        return forward(commit)
 
-    engine.rpc = rewrite_then_forward  # type: ignore[method-assign]
+    engine.control.commit = rewrite_then_forward  # type: ignore[method-assign]
     try:
         with pytest.raises(BytesRejectedError, match=r"bucket file bucket-\d+.*not the ones"):
             FullSync().sync(full_model(ARCH, seed=21), engine)
     finally:
-        del engine.rpc
+        del engine.control.commit
     assert greedy(engine) == before  # every file is checked before the first is loaded
     sync_and_check(FullSync(), full_model(ARCH, seed=21), engine)
 

@@ -48,6 +48,13 @@ def span(part: Part) -> Iterator[None]:
                 listener(part, seconds)
 
 
+def report(part: Part, seconds: float) -> None:
+    """Report ``seconds`` measured elsewhere as ``part`` (an engine's pause, timed on the
+    engine's own side where the commit ran there)."""
+    for listener in list(_listeners):
+        listener(part, seconds)
+
+
 def spanned(items: Iterable[_T], part: Part) -> Iterator[_T]:
     """``items``, the time taken to produce each one reported as ``part``."""
     it = iter(items)

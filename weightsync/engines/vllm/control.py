@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ... import errors
 from ...errors import (
     AdapterError,
     AuthError,
@@ -25,11 +27,10 @@ from ...errors import (
     EngineUnavailableError,
     PauseExpiredError,
 )
-from ...wire.protocol import LoraLimits
+from ...wire.protocol import LoraLimits, Outcome, raise_failures
 from ..base import Attestation
+from .server_auth import COMMIT_PATH, FENCED_HEADER, LEASE_HEADER
 from .server_auth import HEADER as TOKEN_HEADER
-from .server_lease import FENCED_HEADER
-from .server_lease import HEADER as LEASE_HEADER
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
@@ -291,6 +292,221 @@ def _token_id(key: str) -> int:
     return int(key.rsplit(":", 1)[-1])
 
 
+@dataclass(frozen=True)
+class Commit:
+    """One write's commit as data, so that the engine's side can run all of it alone, inside
+    one pause (`run_commit`), wherever the caller is.
+
+    Attributes:
+        what: the write's name, for its errors.
+        steps: what the pause holds, in order: ``("rpc", method, kwargs)``, a call on every
+            worker (failed outcomes fail the step); ``("load_lora", name, path)``;
+            ``("unload_lora", name)``.
+        base: the steps write base weights: a failure part-way loses the base (labelled
+            `UNKNOWN_BASE` before the engine resumes).
+        lora: the engine serves LoRA: the version read at the end holds the adapter ids its
+            workers list.
+        attest: the workers keep weightsync's ledger (`version_label` at the end); False: a
+            stock server, no version.
+        restore: the workers restore the layers a failed write left unfinished
+            (``weightsync_abandon``); False (a stock server): a failed base write leaves the
+            engine paused, never resumed on a mix it cannot fence.
+    """
+
+    what: str
+    steps: tuple[tuple[Any, ...], ...]
+    base: bool = True
+    lora: bool = False
+    attest: bool = True
+    restore: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "what": self.what,
+            "steps": [list(step) for step in self.steps],
+            "base": self.base,
+            "lora": self.lora,
+            "attest": self.attest,
+            "restore": self.restore,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Commit:
+        """Read back `to_json`'s dict.
+
+        Raises:
+            ValueError: a step of an unknown kind, or not a commit at all.
+        """
+        try:
+            steps = tuple(tuple(step) for step in data["steps"])
+            made = cls(
+                str(data["what"]),
+                steps,
+                bool(data["base"]),
+                bool(data["lora"]),
+                bool(data["attest"]),
+                bool(data["restore"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a weightsync commit: {e!r}") from e
+        unknown = [s[0] for s in steps if not s or s[0] not in _STEPS]
+        if unknown:
+            raise ValueError(f"a weightsync commit with steps of unknown kinds: {unknown}")
+        return made
+
+
+#: The kinds of a `Commit`'s steps and how many arguments each takes.
+_STEPS = {"rpc": 2, "load_lora": 2, "unload_lora": 1}
+
+
+@dataclass
+class Committed:
+    """What `run_commit` did.
+
+    Attributes:
+        done: how many of the commit's steps completed.
+        results: the workers' answers of each completed step (None: not an ``rpc`` step).
+        version: the engine's version, attested while still paused (None: not committed, or
+            an engine that attests none).
+        pause_s: how long the engine generated nothing for others, measured where it ran.
+        error: why the commit failed (None: committed).
+        recovery: why the recovery after ``error`` failed (None: recovered and resumed);
+            `EngineUnavailableError`: the engine is gone; anything else: it is left paused.
+    """
+
+    done: int = 0
+    results: list[Any] = field(default_factory=list)
+    version: str | None = None
+    pause_s: float = 0.0
+    error: BaseException | None = None
+    recovery: BaseException | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "done": self.done,
+            "results": self.results,
+            "version": self.version,
+            "pause_s": self.pause_s,
+            "error": _error_json(self.error),
+            "recovery": _error_json(self.recovery),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Committed:
+        return cls(
+            int(data["done"]),
+            list(data["results"]),
+            data["version"],
+            float(data["pause_s"]),
+            _error_from(data["error"]),
+            _error_from(data["recovery"]),
+        )
+
+
+def _error_json(error: BaseException | None) -> dict[str, str] | None:
+    return None if error is None else {"type": type(error).__name__, "message": str(error)}
+
+
+def _error_from(data: dict[str, str] | None) -> BaseException | None:
+    """An error from `_error_json`: the ``weightsync.errors`` class it named (a
+    `BytesRejectedError` stays one), else a ``RuntimeError`` naming the type."""
+    if data is None:
+        return None
+    kind = getattr(errors, data["type"], None)
+    if isinstance(kind, type) and issubclass(kind, errors.WeightSyncError):
+        return kind(data["message"])
+    return RuntimeError(f"{data['type']}: {data['message']}")
+
+
+Rpc = Callable[[str, dict[str, Any]], list[Any]]
+
+
+def run_commit(
+    control: Control,
+    commit: Commit,
+    write: Callable[[], Any] | None = None,
+    rpc: Rpc | None = None,
+) -> Committed:
+    """Run ``commit`` through ``control``: pause (requests in flight kept), its steps, then
+    ``write()`` if given (a write only the caller can make: a stream it sends), the version
+    read and labelled (`base_label`), the prefix-cache reset, resume. The one composition of
+    a commit, on whichever side runs it (the trainer's, a server's pause lease, a Ray actor).
+
+    A failure after the pause is not raised but returned (`Committed.error`), after the
+    recovery: the workers restore the layers the write left unfinished (``weightsync_abandon``;
+    the layers it finished keep their new weights, a mix a server's middleware fences), the
+    prefix cache is reset, a base write labels `UNKNOWN_BASE`, and the engine resumes; if that
+    recovery fails the engine is left paused -- never resume a broken engine -- and
+    `Committed.recovery` says why. A failing pause is raised: nothing was run.
+
+    Args:
+        rpc: how a step's worker call is made (default ``control.rpc``; a Ray actor answers
+            some names itself).
+    """
+    call = rpc or control.rpc
+    control.pause()
+    start = time.perf_counter()
+    done = Committed()
+    try:
+        for kind, *args in commit.steps:
+            if kind == "rpc":
+                answers = call(args[0], args[1])
+                raise_failures(args[0], [Outcome.from_json(a) for a in answers])
+                done.results.append(answers)
+            elif kind == "load_lora":
+                control.load_lora(args[0], args[1])
+                done.results.append(None)
+            else:
+                control.unload_lora(args[0])
+                done.results.append(None)
+            done.done += 1
+        if write is not None:
+            write()
+        if commit.attest:
+            done.version = _version_here(control, call, commit.lora)
+            if done.version is not None:
+                control.label(base_label(done.version))
+        control.reset_prefix_cache()
+    except BaseException as error:  # noqa: BLE001 (returned, after the recovery)
+        done.version, done.error = None, error
+        done.recovery = _recover(control, call, commit)
+        done.pause_s = time.perf_counter() - start
+        return done
+    control.resume()
+    done.pause_s = time.perf_counter() - start
+    return done
+
+
+def _version_here(control: Control, call: Rpc, lora: bool) -> str | None:
+    """The engine's version now (what ``RemoteVLLMEngine.weights_version`` reads): its workers'
+    ledger epoch and adapter writes, and the adapter ids vLLM's ``list_loras`` lists."""
+    answers = call("weightsync_attest", {"since": None, "asleep": control.is_sleeping()})
+    outcomes = [Outcome.from_json(a) for a in answers]
+    raise_failures("weightsync_attest", outcomes)
+    now = attestation([o.value for o in outcomes])
+    ids = adapter_ids(call("list_loras", {})) if lora else set()
+    return version_label(now.epoch, ids, now.adapters)
+
+
+def _recover(control: Control, call: Rpc, commit: Commit) -> BaseException | None:
+    """After a failed step of `run_commit`: restore, reset, label, resume (None), or the
+    error that stopped it, the engine left paused (see `run_commit`)."""
+    try:
+        if commit.restore:
+            answers = call("weightsync_abandon", {})
+            raise_failures("weightsync_abandon", [Outcome.from_json(a) for a in answers])
+        elif commit.base:
+            return RuntimeError("the engine cannot restore the layers its failed write left")
+        control.reset_prefix_cache()
+        if commit.base:  # a mix of old and new layers: tokens from now on say so
+            with contextlib.suppress(Exception):  # a label is no reason to stay paused
+                control.label(UNKNOWN_BASE)
+        control.resume()
+    except Exception as recovery:  # noqa: BLE001 (returned: the engine is left paused)
+        return recovery
+    return None
+
+
 class Control(ABC):
     """The calls a remote engine needs, whatever carries them."""
 
@@ -338,6 +554,15 @@ class Control(ABC):
         """Give vLLM ``version`` as its weight-version label of the tokens generated next
         (the spans of every output, `weights_spans`); an engine without one ignores it."""
 
+    def commit(self, commit: Commit) -> Committed:
+        """Run ``commit`` -- pause, its steps, the version read, the prefix-cache reset,
+        resume, or the recovery after a failed step -- where it costs the fewest round trips:
+        here (`run_commit`: the engine is in this process, or its control calls are cheap), or
+        on the engine's own side in one call (`HTTPControl` with the pause lease's commit
+        route, `RayControl`), which finishes and resumes by itself whatever becomes of the
+        caller."""
+        return run_commit(self, commit)
+
 
 class HTTPControl(Control):
     """A ``vllm serve`` server started with ``VLLM_SERVER_DEV_MODE=1`` (the ``/collective_rpc``,
@@ -368,6 +593,9 @@ class HTTPControl(Control):
         #: The lease id of the pause this client holds (``server_lease.py``), sent with every
         #: call until it resumes; None: no pause, or a server without the lease.
         self.lease: str | None = None
+        #: Whether the server runs a commit in one call (its pause lease's `COMMIT_PATH`);
+        #: None: not asked yet (the first commit tries it).
+        self.commits: bool | None = None
         self._session = self._new_session()
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]
 
@@ -473,6 +701,30 @@ class HTTPControl(Control):
     def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
         body = {"method": method, "kwargs": kwargs or {}}
         return (self._call("POST", "/collective_rpc", json=body) or {}).get("results", [])
+
+    def commit(self, commit: Commit) -> Committed:
+        """One call, ``POST`` `COMMIT_PATH`, to a server with weightsync's pause lease: the
+        server pauses, runs the steps, reads the version, resets and resumes by itself
+        (``server_lease.py``), so a trainer killed during the call does not leave it paused.
+        A server without that route (404: no middleware, a stock server) gets the steps one
+        call each (`run_commit` here), as before."""
+        if self.commits is not False:
+            r = self._session_post(COMMIT_PATH, commit.to_json())
+            if r is not None:
+                self.commits, self.lease = True, None  # resumed: a pause held here ended too
+                return Committed.from_json(r)
+            self.commits = False
+        return run_commit(self, commit)
+
+    def _session_post(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """``POST path`` with ``body``; its JSON answer, or None when the server has no such
+        route (HTTP 404: nothing was run)."""
+        try:
+            return cast("dict[str, Any]", self._call("POST", path, json=body))
+        except RuntimeError as error:
+            if f"{path} -> HTTP 404" in str(error):
+                return None
+            raise
 
     def pause(self) -> None:
         self.lease = None

@@ -9,18 +9,27 @@ One engine class, `RemoteVLLMEngine`, with two pluggable halves:
   weight-transfer API.
 
 Every write: stage what the transport can stage while the engine serves (tmpfs: every bucket's
-file, written and tagged), then pause (in-flight requests are kept, not dropped), apply, reset
-the prefix cache, resume; the pause window is reported (`SyncReport.pause_seconds`). A server
-started with weightsync's pause lease (``server_lease.py``) ends a pause nobody completes by
-itself, so a trainer killed inside it does not leave the server stuck. If the write fails
-part-way the workers have already restored their unfinished layers, but the layers they had
-finished keep their new weights: a mix. They report those layers, and a server with that
-middleware then refuses to generate (HTTP 503, for every client; `EngineFencedError` here) until
-a full sync completes; a server without it, and a multiprocess ``LLM``, serve the mix. The engine
-is resumed, the base is marked lost (only a full restore may follow) and the error is raised.
-If even that recovery fails the engine is left paused -- never resume a broken engine -- and
-`EngineBrokenError` says so; an engine that no longer answers at all (a dead Ray actor or
-engine core) raises `EngineUnavailableError`.
+file, written and tagged; gloo and Ray: the workers' or the actor's stage), then commit it as
+one `Commit` (``control.py``): pause (in-flight requests are kept, not dropped), the stage's
+worker calls, the unload of the served adapter after a base write, the version read and
+labelled, the prefix-cache reset, resume. `run_commit` is the one composition of a commit, and
+the control chooses where it runs (`Control.commit`): a ``vllm serve`` server with weightsync's
+pause lease (``server_lease.py``) and a Ray actor run all of it on their own side in one call
+from the trainer, so the pause holds no round trip to the trainer and a trainer killed during
+the call leaves an engine that finishes, or recovers, and resumes by itself; a server without
+the middleware (one round trip a call, as before) and a multiprocess ``LLM`` or ``AsyncLLM``
+(in this process) run it here. A stage that is a stream only this side can send (gloo with
+``stage=False``, vLLM's weight-transfer API) is sent inside a pause run here. The pause window
+is reported as measured where the commit ran (`SyncReport.pause_seconds`).
+
+If a commit fails part-way the workers have already restored their unfinished layers, but the
+layers they had finished keep their new weights: a mix. They report those layers, and a server
+with the middleware then refuses to generate (HTTP 503, for every client; `EngineFencedError`
+here) until a full sync completes; a server without it, and a multiprocess ``LLM``, serve the
+mix, labelled `UNKNOWN_BASE`. The engine is resumed, the base is marked lost (only a full
+restore may follow) and the error is raised. If even that recovery fails the engine is left
+paused -- never resume a broken engine -- and `EngineBrokenError` says so; an engine that no
+longer answers at all (a dead Ray actor or engine core) raises `EngineUnavailableError`.
 
 The engine's facts (`EngineFacts`) come from the worker extension, read from the model vLLM
 built, not from the caller; a server without the extension is a `StockServerEngine`
@@ -30,7 +39,7 @@ Which weights produced a rollout: `RemoteVLLMEngine.weights_version`, a version 
 attests, never one counted on the trainer's side -- the workers' ledger epoch (moved by every
 sleep, wake, reload and weight write, by anyone) and the adapter ids the workers hold (adapter
 loads do not move the epoch). Each completed write also records the version attested at its end,
-while the engine is still paused (`RemoteVLLMEngine.written_version`): that is the version of
+while the engine is still paused (by the commit, wherever it ran) (`RemoteVLLMEngine.written_version`): that is the version of
 what the write put there, read once, and what `weightsync.Syncer` reports, so a sync costs no
 second round of calls for its version.
 """
@@ -41,7 +50,6 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Hashable, Iterable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,18 +74,21 @@ from ..contract import Staged
 from .control import (
     UNKNOWN_BASE,
     WORKER_EXTENSION,
+    Commit,
+    Committed,
     Control,
     LLMControl,
     WeightsSpan,
     adapter_ids,
     adapter_window,
     attestation,
-    base_label,
+    run_commit,
     since_arg,
     version_label,
     weights_spans,
 )
 from .transports import Transport, make_transport
+from .transports.base import StagedCalls
 
 
 class RemoteVLLMEngine(Engine):
@@ -130,6 +141,7 @@ class RemoteVLLMEngine(Engine):
         self._versions: list[Path] = []  # adapter folders the server may still read, oldest first
         self._resident: list[tuple[int, str]] = []  # (version, name) loaded, oldest first
         self._version = 0
+        self._loading = 0  # the adapter version a commit's load_lora step loads
         self._written_version: str | None = None
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
         # vLLM labels outputs "default" until told: name the weights it serves now instead.
@@ -219,16 +231,6 @@ class RemoteVLLMEngine(Engine):
         ids = adapter_ids(self.control.rpc("list_loras")) if self.serves_lora else set()
         return version_label(now.epoch, ids, now.adapters)
 
-    def _written(self, version: str | None) -> None:
-        """Called at the end of every completed write, while the engine is still paused, with
-        the version it attested then: vLLM's weight-version label becomes its base part
-        (`control.base_label`), before the engine resumes, so the tokens generated after the
-        write carry it. An adapter write leaves the label as it was: vLLM's label is
-        engine-wide, and each request keeps the adapter it was admitted with
-        (`control.weights_spans` adds it)."""
-        if version is not None:
-            self.control.label(base_label(version))
-
     def mark_lost(self) -> None:
         """The base may be a mix of old and new layers (a write failed part-way): the tokens
         generated from now until the next completed base write are labelled `UNKNOWN_BASE`."""
@@ -241,46 +243,78 @@ class RemoteVLLMEngine(Engine):
         ``RequestOutput`` of this engine (`control.weights_spans`)."""
         return weights_spans(output, index)
 
-    def _paused_write(self, what: str, write: Callable[[], Any], *, base: bool = True) -> None:
-        """Pause, ``write()``, record the version it left (`written_version`), reset the prefix
-        cache, resume; see the module docstring for what happens when ``write`` fails
-        (``base``: it writes base weights)."""
+    #: The workers keep weightsync's ledger and restore what a failed write left unfinished
+    #: (`Commit.attest`, `Commit.restore`); a stock server's do neither.
+    _attests = True
+    _restores = True
+
+    def _paused_write(
+        self,
+        what: str,
+        steps: Iterable[tuple[Any, ...]],
+        *,
+        base: bool = True,
+        write: Callable[[], Any] | None = None,
+    ) -> Committed:
+        """Commit ``steps`` (a `Commit`; then ``write()``, a write only this side can make:
+        a stream it sends) inside one pause, with the version read (`written_version`), the
+        prefix-cache reset and resume; the control chooses where it runs (`Control.commit`:
+        on the engine's side in one call where that saves round trips, `run_commit` here
+        otherwise). The pause window is the one measured where the commit ran. See the module
+        docstring for a failed commit (``base``: the steps write base weights)."""
         self._written_version = None
-        with timing.span("pause"):
-            self.control.pause()
-            try:
-                write()
-                self._written_version = self._version_now()
-                self._written(self._written_version)
-            except BaseException as error:
-                self._recover(what, error, base=base)
-                raise
-            self.control.reset_prefix_cache()
-            self.control.resume()
-
-    def _recover(self, what: str, error: BaseException, *, base: bool) -> None:
-        """After ``write`` failed in `_paused_write`: restore the unfinished layers (idempotent:
-        the workers did it already), reset the prefix cache and resume serving what the engine
-        holds; the caller raises ``error`` then. If the engine cannot be restored it is left
-        paused and `EngineBrokenError` is raised instead."""
+        commit = Commit(
+            what,
+            tuple(steps),
+            base=base,
+            lora=self.serves_lora,
+            attest=self._attests,
+            restore=self._restores,
+        )
         try:
-            self._abandon()
-            self.control.reset_prefix_cache()
-        except EngineUnavailableError:  # gone (a dead actor or core): nothing to restore
-            self.mark_lost()
+            if write is None:
+                answer = self.control.commit(commit)
+            else:
+                answer = run_commit(self.control, commit, write)
+        except EngineUnavailableError:  # no answer: the commit may have run, whole or not
+            if base:
+                self.mark_lost()
             raise
-        except Exception as recovery:  # noqa: BLE001 (any failure here: the engine is broken)
-            raise EngineBrokenError(
-                f"{what} failed ({error}) and restoring the engine's unfinished layers failed "
-                f"too ({recovery}); the engine is left paused. Restart it."
-            ) from error
-        if base:  # a mix of old and new layers: only a full restore may follow
+        timing.report("pause", answer.pause_s)
+        self._committed_steps(commit.steps[: answer.done])
+        error = answer.error
+        if error is None:
+            self._written_version = answer.version
+            return answer
+        if base:  # a mix of old and new layers (or a broken engine): only a full restore
             self.mark_lost()
-        self.control.resume()
+        if answer.recovery is None:  # restored and resumed
+            raise error
+        if isinstance(answer.recovery, EngineUnavailableError):  # gone: nothing to restore
+            raise answer.recovery from error
+        raise self._broken(what, error, answer.recovery) from error
 
-    def _abandon(self) -> None:
-        """Have the workers restore the layers a failed write left unfinished."""
-        self.rpc("weightsync_abandon")
+    def _broken(
+        self, what: str, error: BaseException, recovery: BaseException
+    ) -> EngineBrokenError:
+        """The error of a write whose recovery failed: the engine is left paused."""
+        return EngineBrokenError(
+            f"{what} failed ({error}) and restoring the engine's unfinished layers failed "
+            f"too ({recovery}); the engine is left paused. Restart it."
+        )
+
+    def _committed_steps(self, steps: Iterable[tuple[Any, ...]]) -> None:
+        """Follow the adapter loads and unloads a commit completed (all of its steps, or those
+        before the one that failed): which adapter versions the engine holds, which it
+        serves."""
+        for kind, *args in steps:
+            if kind == "unload_lora":
+                self._resident = [(v, n) for v, n in self._resident if n != args[0]]
+                if self._served == args[0]:
+                    self._served = None
+            elif kind == "load_lora":
+                self._resident.append((self._loading, args[0]))
+                self._served = args[0]
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:
         """Stage ``buckets`` (`stage_weights`) while the engine serves, then apply them in
@@ -298,8 +332,10 @@ class RemoteVLLMEngine(Engine):
 
     def stage_weights(self, buckets: Iterable[Bucket]) -> Staged:
         """`Transport.prepare` now, while the engine serves (a failure here leaves the engine
-        untouched, and says so: `errors.untouched`); the returned apply applies what was staged
-        and unloads the served adapter in one `_paused_write` (`_base_written`)."""
+        untouched, and says so: `errors.untouched`); the returned apply commits what was
+        staged and unloads the served adapter in one `_paused_write`: the stage's worker calls
+        (`StagedCalls`) as the commit's steps, run on the engine's side where the control can,
+        or, for a stage that is a stream this side sends, that send inside the pause."""
         try:
             staged = self.transport.prepare(self.rpc, buckets)
         except BaseException as error:
@@ -307,22 +343,35 @@ class RemoteVLLMEngine(Engine):
             raise
 
         def commit() -> int:
-            self._paused_write("load_weights", lambda: self._base_written(staged.apply))
+            if isinstance(staged, StagedCalls):
+                calls = [("rpc", method, kwargs) for method, kwargs in staged.calls]
+                self._paused_write("load_weights", self._base_steps(calls))
+                staged.applied()
+            else:
+                self._paused_write("load_weights", self._base_steps([]), write=staged.apply)
             return 1
 
         return Staged(commit, staged.drop, staged.discard)
 
     def reload_checkpoint(self, path: str | None = None) -> int:
-        reload = partial(self.rpc, "weightsync_reload_checkpoint", {"path": path or ""})
-        self._paused_write("reload_checkpoint", lambda: self._base_written(reload))
+        kwargs = {"path": path or ""}
+        self._paused_write(
+            "reload_checkpoint", self._base_steps([("rpc", "weightsync_reload_checkpoint", kwargs)])
+        )
         return 1
 
-    def _base_written(self, write: Callable[[], Any]) -> None:
-        """``write()`` the base, then unload the served adapter (`_forget_adapter`), inside the
-        pause: a write that fails before loading anything leaves the adapter served, as the
-        rest of what the engine served."""
-        write()
-        self._forget_adapter()
+    def _base_steps(self, steps: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """A base write's ``steps``, then the unload of the adapters the engine serves (inside
+        the pause; a write that fails before loading anything leaves the adapter served, as
+        the rest of what the engine served): vLLM resets its LoRA state on a reload but the
+        server would load an adapter again from its folder on the next request by name,
+        applying an old adapter to a new base (merged LoRA counted twice, ms-swift#8233).
+        With no adapter of its own recorded, the engine's ``lora_name`` is unloaded too: an
+        earlier client's."""
+        if self.serves_lora:
+            names = [name for _, name in self._resident] or [self.lora_name]
+            steps = [*steps, *(("unload_lora", name) for name in names)]
+        return steps
 
     def check_adapter(self, adapter: Adapter) -> None:
         lora = self._facts.lora
@@ -382,19 +431,14 @@ class RemoteVLLMEngine(Engine):
         version = self._version
         kept = self.adapter_versions
         name = self.lora_name if kept == 1 else f"{self.lora_name}-v{version}"
-
-        def swap() -> None:
-            if kept == 1:
-                self._served = None
-                self.control.unload_lora(name)
-                self._resident.clear()
-            self.control.load_lora(name, path)
-            self._served = name
-            self._resident.append((version, name))
-            while len(self._resident) > kept:
-                self.control.unload_lora(self._resident.pop(0)[1])
-
-        self._paused_write("load_adapter", swap, base=False)
+        # One version kept: the old one unloaded first, the new loaded under its name; more:
+        # the new loaded first, then the versions that fell out of the window unloaded.
+        old = [n for _, n in self._resident]
+        first = [("unload_lora", name)] if kept == 1 else []
+        evicted = [] if kept == 1 else old[: max(0, len(old) + 1 - kept)]
+        steps = [*first, ("load_lora", name, path), *(("unload_lora", n) for n in evicted)]
+        self._loading = version
+        self._paused_write("load_adapter", steps, base=False)
         self.adapter_path = path
         if local:
             self._versions.append(Path(path))
@@ -412,17 +456,6 @@ class RemoteVLLMEngine(Engine):
         tags = [sign_file(signer, folder / f) for f in files]
         kwargs = {"folder": str(folder), "files": files, "key": signer.key_hex, "tags": tags}
         self.rpc("weightsync_check_files", kwargs)
-
-    def _forget_adapter(self) -> None:
-        """Unload the served adapter before a base write: vLLM resets its LoRA state on a reload
-        but the server would load it again from its folder on the next request by name,
-        applying an old adapter to a new base (merged LoRA counted twice, ms-swift#8233)."""
-        self._served = None
-        if self.serves_lora:
-            names = [name for _, name in self._resident] or [self.lora_name]
-            for name in names:
-                self.control.unload_lora(name)
-        self._resident.clear()
 
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int

@@ -33,6 +33,16 @@ TOKEN_ENV = "WEIGHTSYNC_TOKEN"
 #: The request header carrying it.
 HEADER = "x-weightsync-token"
 
+#: The names weightsync's trainer and its pause lease (``server_lease.py``) share, here so that
+#: the trainer's side imports no middleware: the header carrying a pause's lease id (answered by
+#: ``/pause``, sent back by the trainer), the header of a fenced server's 503 answers (the
+#: trainer tells them from other 503s by it), and the route that runs a whole commit on the
+#: server's side in one call (``POST``, a ``control.Commit`` as JSON; answers a
+#: ``control.Committed``).
+LEASE_HEADER = "x-weightsync-lease"
+FENCED_HEADER = "x-weightsync-fenced"
+COMMIT_PATH = "/weightsync/commit"
+
 #: Shortest token accepted: a guessable token guards nothing.
 MIN_TOKEN_CHARS = 16
 
@@ -103,8 +113,21 @@ class RequireToken:
         await answer_error(send, 401, f"weightsync token required for {path} ({HEADER} header)")
 
     def _allowed(self, scope: Scope) -> bool:
-        given = [v for k, v in scope.get("headers", []) if k.lower() == HEADER.encode()]
-        return len(given) == 1 and hmac.compare_digest(given[0], self._token)
+        return _carries(scope, self._token)
+
+
+def admitted(scope: Scope) -> bool:
+    """Whether a request may run a route another middleware answers itself (the pause
+    lease's commit): it carries the token of this server's environment, or the environment
+    holds none (a server without the guard). That middleware may sit outside the guard
+    (``--middleware`` order), so it asks here, not the guard."""
+    token = os.environ.get(TOKEN_ENV, "")
+    return not token or _carries(scope, token.encode())
+
+
+def _carries(scope: Scope, token: bytes) -> bool:
+    given = [v for k, v in scope.get("headers", []) if k.lower() == HEADER.encode()]
+    return len(given) == 1 and hmac.compare_digest(given[0], token)
 
 
 async def answer_error(

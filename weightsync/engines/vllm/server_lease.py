@@ -1,17 +1,32 @@
-"""The pause lease of a ``vllm serve`` server: an ASGI middleware vLLM loads into its API server.
+"""The pause lease and the commit route of a ``vllm serve`` server: an ASGI middleware vLLM loads
+into its API server.
 
 Start the server with ``--middleware weightsync.engines.vllm.server_lease.PauseLease`` (beside
-the token guard, ``server_auth.py``, if it has one). A trainer writes into a server inside a
-pause (``RemoteVLLMEngine._paused_write``: ``/pause``, the write, the prefix-cache reset,
-``/resume``); a trainer killed inside it -- OOM-killed, pre-empted, SIGKILLed -- never resumes,
-and without this the server generates nothing until another trainer comes (measured: 60 s and
-more). With it, a pause nobody completes ends by itself: once no weightsync call has reached
-the server for ``WEIGHTSYNC_PAUSE_LEASE_S`` seconds (default `DEFAULT_LEASE_S`) and none is in
-flight, the middleware has every worker restore the layers a write left unfinished
-(``weightsync_abandon``, as the trainer's own recovery does), resets the prefix cache and
-resumes. The server then serves what its workers hold: the old weights if the write never
-reached them, the new ones if it completed (the bytes of a sync reach the workers in one call
-after the pause on tmpfs, so a kill inside the pause cannot leave part of them).
+the token guard, ``server_auth.py``, if it has one). It does three things.
+
+The commit in one call. ``POST /weightsync/commit`` (`COMMIT_PATH`) takes a whole commit from
+the trainer (``control.Commit``: the worker calls that load what the trainer staged, the
+adapter loads and unloads) and runs it here, on the server's own engine client
+(``server_commit.py``): pause (requests kept), the calls, the version read and labelled, the
+prefix-cache reset, resume -- or, when a call fails, the trainer's own recovery (the workers
+restore unfinished layers, reset, label, resume; left paused if that fails) -- and answers what
+happened (``control.Committed``: the calls' outcomes, the version attested while paused, the
+pause measured here). The pause holds no round trip to the trainer, and the commit runs in a
+task of its own that the client's disconnect does not cancel: a trainer SIGKILLed during the
+call leaves a server that finishes the commit (or recovers from it) and resumes at once. It is
+refused (409, nothing run) while another caller's pause or commit is in force, asks for the
+token of ``WEIGHTSYNC_TOKEN`` itself (``server_auth.admitted``: this middleware may sit outside
+the guard), and the workers' answers pass the fence as they come, before the engine resumes.
+
+The lease, for a pause taken with ``/pause`` (a trainer's explicit pause, or a write only the
+trainer can make inside it: a stream it sends, vLLM's weight-transfer API): a trainer killed
+inside it -- OOM-killed, pre-empted, SIGKILLed -- never resumes, and without the lease the server
+generates nothing until another trainer comes (measured: 60 s and more). With it, a pause nobody
+completes ends by itself: once no weightsync call has reached the server for
+``WEIGHTSYNC_PAUSE_LEASE_S`` seconds (default `DEFAULT_LEASE_S`) and none is in flight, the
+middleware has every worker restore the layers a write left unfinished (``weightsync_abandon``,
+as the trainer's own recovery does), resets the prefix cache and resumes. The server then
+serves what its workers hold.
 
 Why here: the pause lives in vLLM's engine core, which weightsync's code cannot reach on its
 own (its worker extension runs below the core, in the workers, and the core runs one call at a
@@ -33,12 +48,13 @@ mid-stream, a gloo stream cut) leaves the layers vLLM's layerwise reload had fin
 new weights and the rest with their old: a mix, which generates plausible but wrong tokens.
 The workers report it: every weightsync reload's outcome, and ``weightsync_abandon``'s, carries
 the layers it had finished (``wire.protocol.RELOAD_REPORT``). This middleware reads that report
-in every ``/collective_rpc`` answer (the trainer's call, or the abandon of an expired lease) and,
-when a failed write had finished any layer, *fences* the server: every route that answers from
-the weights (`GENERATING`: completions, chat, embeddings, scores, ...) is answered 503 with a
-JSON error saying why (header ``X-Weightsync-Fenced``), for every client, and a request already
-admitted when the fence came is refused too (its answer, or the rest of its stream, replaced by
-the error): its tokens may come from the mix. Health and description routes stay open. A
+in every ``/collective_rpc`` answer (the trainer's call, or the abandon of an expired lease) and
+in every worker answer of a commit it runs, and, when a failed write had finished any layer,
+*fences* the server: every route that answers from the weights (`GENERATING`: completions,
+chat, embeddings, scores, ...) is answered 503 with a JSON error saying why (header
+``X-Weightsync-Fenced``), for every client, and a request already admitted when the fence came
+is refused too (its answer, or the rest of its stream, replaced by the error): its tokens may
+come from the mix. Health and description routes stay open. A
 weightsync write that completes and loaded every weight of the engine (a full restore:
 ``FullSync``, ``ReloadWeights``) lifts it. What is not a mix and does not fence: a write refused
 before its first layer finished (a file whose tag does not match, a trainer that failed while
@@ -47,7 +63,8 @@ whole. Not seen: a failure inside vLLM's weight-transfer API backend (``in_engin
 abandons without this report; the trainer still gets the error), and a write not made through
 weightsync (vLLM's own ``reload_weights``): the fence reads weightsync's reports only.
 
-Standard library only: it runs inside vLLM's API server process, which imports it by name.
+Standard library only when vLLM imports it by name at start; the commit route imports
+``server_commit.py`` (weightsync's control planes) when it first runs.
 """
 
 from __future__ import annotations
@@ -61,7 +78,21 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .server_auth import OPEN, Receive, Scope, Send, answer_error
+from .server_auth import (
+    COMMIT_PATH,
+    FENCED_HEADER,
+    LEASE_HEADER,
+    OPEN,
+    Receive,
+    Scope,
+    Send,
+    admitted,
+    answer_error,
+)
+from .server_auth import HEADER as TOKEN_HEADER
+
+#: The header carrying the lease id (answered by ``/pause``, sent back by the trainer).
+HEADER = LEASE_HEADER
 
 #: The server's environment variable holding the lease, in seconds.
 LEASE_ENV = "WEIGHTSYNC_PAUSE_LEASE_S"
@@ -70,12 +101,6 @@ LEASE_ENV = "WEIGHTSYNC_PAUSE_LEASE_S"
 #: milliseconds, so seconds of silence mean nobody is left to resume.
 DEFAULT_LEASE_S = 10.0
 
-#: The header carrying the lease id (answered by ``/pause``, sent back by the trainer).
-HEADER = "x-weightsync-lease"
-
-
-#: The header of a fenced server's 503 answers (the trainer tells them from other 503s by it).
-FENCED_HEADER = "x-weightsync-fenced"
 
 #: Routes of `OPEN` that describe the server or its tokenizer and read no weights: they stay
 #: open while the server is fenced.
@@ -141,6 +166,7 @@ class PauseLease:
         self.fence: str | None = None
         self._fences = 0  # fences raised so far: a request admitted before one is refused
         self._reason = ""  # the last fence's reason (it may be lifted before such a request ends)
+        self._commit: asyncio.Task[tuple[int, bytes]] | None = None  # the commit running
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -157,6 +183,12 @@ class PauseLease:
             await self.app(scope, receive, send)
             return
         given = _header(scope, HEADER)
+        if path == COMMIT_PATH and scope["method"] == "POST":
+            await self._committing(scope, receive, send, given)
+            return
+        if path == "/pause" and self._commit is not None:
+            await answer_error(send, 409, "weightsync: a commit runs on this server: not paused")
+            return
         if given is not None and given != self.held:
             await _refuse(send, given, self._expired.get(given), self.lease_s)
             return
@@ -282,6 +314,57 @@ class PauseLease:
             await send(message)
 
         return answer
+
+    # --- the commit --------------------------------------------------------------------------
+
+    async def _committing(self, scope: Scope, receive: Receive, send: Send, lease: str | None):
+        """`COMMIT_PATH`: the whole commit run here (``server_commit.py``), in a task of its
+        own that the caller's disconnect cannot cancel: a trainer killed during the call
+        leaves a server that finishes the commit, or recovers from it, and resumes by itself.
+        Refused (409, nothing run) while another caller's pause or commit is in force."""
+        if not admitted(scope):  # the guard may sit inside this middleware
+            await answer_error(send, 401, f"weightsync token required ({TOKEN_HEADER} header)")
+            return
+        if self._commit is not None or (self.held is not None and lease != self.held):
+            why = "another commit runs" if self._commit is not None else "another pause holds it"
+            await answer_error(send, 409, f"weightsync: {why} on this server: nothing was run")
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        self.held = None  # the commit resumes the server: a pause the caller held ends with it
+        self._inflight += 1
+        loop = asyncio.get_running_loop()
+        self._commit = loop.create_task(self._commit_task(scope["app"].state, loop, body))
+        status, answer = await asyncio.shield(self._commit)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+    async def _commit_task(
+        self, state: Any, loop: asyncio.AbstractEventLoop, body: bytes
+    ) -> tuple[int, bytes]:
+        """Run the commit in a worker thread (its control calls come back onto this loop);
+        its answer. The worker answers go through the fence as they come (`note`)."""
+        try:
+            from .server_commit import serve_commit
+
+            return 200, await asyncio.to_thread(serve_commit, state, loop, body, self.note)
+        except Exception as error:  # answered: a malformed commit, a failed pause
+            logger.exception("weightsync: the commit could not run")
+            return 500, json.dumps({"error": f"weightsync commit: {error}"}).encode()
+        finally:
+            self._commit = None
+            self._inflight -= 1
+            self._last = time.monotonic()
 
     # --- the lease ---------------------------------------------------------------------------
 

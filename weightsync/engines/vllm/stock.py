@@ -55,6 +55,11 @@ class StockServerEngine(VLLMServerEngine):
 
     name = "vllm-stock-server"
     writes_through = "stock server, vLLM's reload_weights"
+    #: No ledger, and nothing can restore the layers vLLM's own reload failed to finish: a
+    #: failed base write leaves the server paused (`broken`); a failed adapter swap changed
+    #: no layer and resumes.
+    _attests = False
+    _restores = False
     transport: TmpfsTransport
 
     def __init__(self, base_url: str, *, exclusive: bool = False, **kwargs: Any) -> None:
@@ -112,20 +117,14 @@ class StockServerEngine(VLLMServerEngine):
         the folder is removed after, whatever happens."""
         kwargs = {"weights_path": str(folder), "is_checkpoint_format": True}
         try:
-            self._paused_write(
-                what, lambda: self._base_written(lambda: self.rpc("reload_weights", kwargs))
-            )
+            self._paused_write(what, self._base_steps([("rpc", "reload_weights", kwargs)]))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _recover(self, what: str, error: BaseException, *, base: bool) -> None:
-        if base:  # vLLM's reload failed part-way: nothing can restore its unfinished layers
-            self.mark_lost()
-            raise broken(what, error) from error
-        super()._recover(what, error, base=base)
-
-    def _abandon(self) -> None:
-        """Nothing to restore: an adapter swap that failed changed no layer."""
+    def _broken(
+        self, what: str, error: BaseException, recovery: BaseException
+    ) -> EngineBrokenError:
+        return broken(what, error)
 
     def _check_folder(self, folder: Path) -> None:
         """No extension to check an adapter's files: vLLM's loader reads them as they are."""

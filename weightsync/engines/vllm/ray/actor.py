@@ -13,6 +13,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ from ....wire.protocol import EngineFacts, Outcome
 from ....wire.stream import Checker, Kind
 from ....wire.tags import check
 from ..asyncllm import AsyncLLMControl
-from ..control import WORKER_EXTENSION, Control, LLMControl, held_lora
+from ..control import WORKER_EXTENSION, Commit, Control, LLMControl, held_lora, run_commit
 from ..in_engine import model_ops
 from ..in_engine.extension import check_loadable
 from ..transports import TmpfsTransport
@@ -54,6 +55,7 @@ DELTA_DROP = "weightsync_delta_drop"
 _CONTROL_CALLS = frozenset(
     {
         "rpc",
+        "commit",
         "pause",
         "resume",
         "reset_prefix_cache",
@@ -149,7 +151,8 @@ class _EngineSide:
         return control.lora_request(name)
 
     def _weightsync_serve(self, call: str, *args: Any) -> Any:
-        """One `Control` call (``call`` names the method), or a byte call of the transport
+        """One `Control` call (``call`` names the method), a whole commit (``commit``, a
+        ``control.Commit`` as JSON; its ``Committed`` as JSON), or a byte call of the transport
         (``rpc`` with `STAGE`, `COMMIT`, `DROP_STAGE`, `RECEIVE_ADAPTER`, `DROP_ADAPTERS`,
         `DELTA_STATE` or `DELTA_DROP`)."""
         control = self._weightsync_control
@@ -157,6 +160,11 @@ class _EngineSide:
             raise RuntimeError("the actor has not called weightsync_attach(engine) yet")
         if call not in _CONTROL_CALLS:
             raise ValueError(f"weightsync_call: unknown call {call!r}")
+        if call == "commit":  # the whole commit in this call (`run_commit`), its rpc steps
+            # answered as the trainer's rpc calls are (the stage's load is this actor's own)
+            commit = Commit.from_json(args[0])
+            rpc = partial(self._weightsync_serve, "rpc")
+            return run_commit(control, commit, rpc=rpc).to_json()
         if call == "rpc":
             method, kwargs = args[0], args[1] or {}
             if method == STAGE:
@@ -265,7 +273,7 @@ class _EngineSide:
         return _Stage(load, drop, delta, checker.count)
 
     def _weightsync_commit(self) -> list[Outcome]:
-        """Load what `_weightsync_stage_stream` staged (inside the trainer's pause) and let it
+        """Load what `_weightsync_stage_stream` staged (inside the commit's pause) and let it
         go; the workers' outcomes. The kept copies of a delta sync carry its id once every
         worker loaded it, and are dropped otherwise."""
         stage, self._weightsync_staged = self._weightsync_staged, None
@@ -393,8 +401,9 @@ class WeightsyncActor(_EngineSide):
             def generate(self, prompts, params): ...
 
     Only ``weightsync_call`` is an actor method the trainer uses; it answers `Control` calls
-    through an `LLMControl` on the ``LLM``, and the calls of `RayObjectStoreTransport` (load
-    buckets, receive an adapter, drop the adapter folders) itself. With the engine core in this
+    through an `LLMControl` on the ``LLM``, the calls of `RayObjectStoreTransport` (load
+    buckets, receive an adapter, drop the adapter folders) itself, and a whole commit in one
+    call (``"commit"``: `control.run_commit` here, so nothing of it waits on the trainer). With the engine core in this
     process (`actor_llm`) the bytes reach the worker by reference; otherwise (tensor parallel)
     through a RAM folder on this node.
     """
@@ -427,7 +436,7 @@ class AsyncWeightsyncActor(_EngineSide):
     ``mode="keep"`` (requests frozen, recomputed under the new weights after it): the pause
     covers the workers' load of the staged files, not the transfer. Each write
     also labels vLLM's weight version with the base version it left, so every ``RequestOutput``
-    says which weights produced which tokens (``RemoteVLLMEngine._written``, docs/async-rl.md).
+    says which weights produced which tokens (``control.run_commit``, docs/async-rl.md).
     """
 
     async def weightsync_call(self, call: str, *args: Any) -> Any:

@@ -32,10 +32,10 @@ from ....wire.stream import Kind
 from ....wire.tags import Signer
 from ...base import instance_of, register
 from ...contract import Staged
-from ..control import Control
+from ..control import Commit, Committed, Control
 from ..remote import RemoteVLLMEngine
 from ..transports import Rpc, Transport
-from ..transports.base import sent_copies, signer_for
+from ..transports.base import StagedCalls, sent_copies, signer_for
 from .actor import (
     COMMIT,
     DELTA_DROP,
@@ -95,6 +95,12 @@ class RayControl(Control):
 
     def rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
         return list(self.call("rpc", method, kwargs))
+
+    def commit(self, commit: Commit) -> Committed:
+        """The whole commit in one actor call (`run_commit` in the actor): nothing of it
+        waits on the trainer, so a trainer that dies during the call leaves an actor that
+        finishes, or recovers, and resumes."""
+        return Committed.from_json(self.call("commit", commit.to_json()))
 
     def pause(self) -> None:
         self.call("pause")
@@ -225,8 +231,7 @@ class RayObjectStoreTransport(Transport):
             raise
         committed: list[bool] = []
 
-        def apply() -> None:
-            rpc(COMMIT, {})
+        def applied() -> None:
             committed.append(True)
             if copies is not None:
                 copies.commit()
@@ -241,7 +246,7 @@ class RayObjectStoreTransport(Transport):
             except Exception:  # a dead actor holds nothing more
                 logger.warning("weightsync: dropping the actor's stage failed", exc_info=True)
 
-        return Staged(apply, drop)
+        return StagedCalls(rpc, [(COMMIT, {})], drop, applied=applied)
 
     def _stage(
         self, rpc: Rpc, pieces: Iterable[Bucket], signer: Signer | None, sync_id: str
@@ -383,9 +388,14 @@ class RayVLLMEngine(RemoteVLLMEngine):
     Args:
         actor: the actor's handle.
         transport: ``"ray"`` (the object store, any node), or another `Transport` the actor's
-            workers can be reached by (``"tmpfs"`` on the trainer's node, ``"gloo"``).
+            workers can be reached by (``"tmpfs"`` on the trainer's node, ``"gloo"``) that
+            stages (a stream inside the pause is refused: see `__init__`'s error).
         timeout_s: how long one actor call may take (`RayControl`).
         kwargs: as for `RemoteVLLMEngine` (``lora_name``, ...).
+
+    Raises:
+        ValueError: a transport that stages nothing (gloo with ``stage=False``): its stream
+            would run inside a pause the trainer holds, which nothing ends if the trainer dies.
     """
 
     name = "vllm-ray"
@@ -405,6 +415,14 @@ class RayVLLMEngine(RemoteVLLMEngine):
     ) -> None:
         self.actor = actor
         chosen = RayObjectStoreTransport() if transport == "ray" else transport
+        if isinstance(chosen, Transport) and not chosen.stages:
+            raise ValueError(
+                f"{chosen.name} streams inside the engine's pause (it stages nothing), so the "
+                "trainer would hold the actor's pause, and an actor has no lease to end it if "
+                "the trainer dies: every write to a Ray actor is staged, then committed in one "
+                "actor call. Use the object store (transport='ray'), 'tmpfs', or "
+                "GlooTransport() with stage=True (the default)"
+            )
         super().__init__(RayControl(actor, timeout_s=timeout_s), transport=chosen, **kwargs)
 
     def describe(self) -> str:

@@ -27,6 +27,30 @@ logger = logging.getLogger(__name__)
 Rpc = Callable[[str, dict[str, Any]], list[Outcome]]
 
 
+class StagedCalls(Staged):
+    """A stage whose apply is worker calls known when it is staged: ``calls`` (``(method,
+    kwargs)``, in order), then ``applied()``, this side's note that they ran. An engine that
+    commits on its own side in one call (``RemoteVLLMEngine._paused_write``) takes the calls
+    as its steps and calls ``applied`` after; `apply` makes them from here."""
+
+    def __init__(
+        self,
+        rpc: Rpc,
+        calls: list[tuple[str, dict[str, Any]]],
+        drop: Callable[[], None] = lambda: None,
+        discard: Callable[[], None] | None = None,
+        applied: Callable[[], None] = lambda: None,
+    ) -> None:
+        def apply() -> None:
+            for method, kwargs in calls:
+                rpc(method, kwargs)
+            applied()
+
+        super().__init__(apply, drop, discard)
+        self.calls = calls
+        self.applied = applied
+
+
 class Transport(ABC):
     """Moves checkpoint-format buckets into every worker of one engine and has them loaded."""
 

@@ -17,6 +17,7 @@ from ....wire.delta import WireCount
 from .base import (
     Rpc,
     Staged,
+    StagedCalls,
     Transport,
     drop_kept_copies,
     proof_args,
@@ -150,8 +151,7 @@ class GlooTransport(Transport):
         send_one = send_timed if copies is None else partial(send_timed, copies=copies)
         committed: list[bool] = []
 
-        def apply() -> None:
-            rpc("weightsync_commit_staged", {})
+        def applied() -> None:
             committed.append(True)
             if copies is not None:
                 copies.commit()
@@ -173,7 +173,7 @@ class GlooTransport(Transport):
         except BaseException:
             drop()
             raise
-        return Staged(apply, drop)
+        return StagedCalls(rpc, [("weightsync_commit_staged", {})], drop, applied=applied)
 
     def put_adapter(
         self,

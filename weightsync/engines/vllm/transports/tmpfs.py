@@ -13,15 +13,15 @@ from ....plan import Bucket
 from ....wire.files import KeptFiles, Written, write_folder
 from ....wire.scratch import private_dir, scratch_dir
 from ....wire.tags import Signer
-from .base import Rpc, Staged, Transport, proof_args, signer_for
+from .base import Rpc, Staged, StagedCalls, Transport, proof_args, signer_for
 
 
 def _serializing() -> Any:
     return timing.span("serialize")
 
 
-def _load(rpc: Rpc, kwargs: dict[str, Any]) -> None:
-    rpc("weightsync_load_files", kwargs)
+#: The workers' check and load of a sync's files.
+LOAD = "weightsync_load_files"
 
 
 class TmpfsTransport(Transport):
@@ -74,13 +74,11 @@ class TmpfsTransport(Transport):
                 self._discard_kept()  # part of a sync nobody will load: nothing of it stays
                 raise
             kwargs = {"folder": str(self._kept.folder), "files": written.names}
-            return Staged(
-                lambda: _load(rpc, kwargs | proof_args(signer, written.tags)),
-                discard=self._discard_kept,
-            )
+            load = kwargs | proof_args(signer, written.tags)
+            return StagedCalls(rpc, [(LOAD, load)], discard=self._discard_kept)
         folder, written = self.stage(buckets, signer=signer)
         fresh = {"folder": str(folder)} | proof_args(signer, written.tags)
-        return Staged(lambda: _load(rpc, fresh), lambda: shutil.rmtree(folder, ignore_errors=True))
+        return StagedCalls(rpc, [(LOAD, fresh)], lambda: shutil.rmtree(folder, ignore_errors=True))
 
     def stage(
         self, buckets: Iterable[Bucket], *, aliases: bool = True, signer: Signer | None = None
