@@ -342,19 +342,18 @@ class WeightsyncWorker:
             self._weightsync_adapter_root = None
         return self._weightsync_outcome()
 
-    def weightsync_abandon(self, fence: bool = True) -> dict:
+    def weightsync_abandon(self) -> dict:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
         back. Safe to call when nothing is pending; the value says whether anything was, and
         which layers it had finished (``wire.protocol.RELOAD_REPORT``, which fences a server
-        when any were). ``fence=False``: the same facts outside that report, for a caller that
-        rewrites every weight next inside the same pause (an update a dead trainer left open,
-        closed by the next trainer's), so the mix is never served."""
+        when any were), the layers failed loads of weightsync's weight-transfer backend
+        finished included when no report named them yet (their trainer died first)."""
         try:
             report = model_ops.abandon(self)
-            if (engine := self._weightsync_backend()) is not None:  # its failed loads' layers
+            if (engine := self._weightsync_backend()) is not None:
                 written = report[RELOAD_REPORT]["written"]
                 written[:] = sorted({*written, *engine.take_written()})
-            return self._weightsync_outcome(value=report if fence else report[RELOAD_REPORT])
+            return self._weightsync_outcome(value=report)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
 
