@@ -205,7 +205,8 @@ ROWS: list[Row] = [
         "server_wt_files",
         "dense",
         "WeightTransferFiles(client): vLLM's weight-transfer routes to weightsync's "
-        "backend, the next bucket written while the server loads the last",
+        "backend, every file written and tagged while the server serves, then one update "
+        "in the pause checks and loads them",
     ),
     Row(
         "replicas_1",

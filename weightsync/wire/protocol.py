@@ -293,14 +293,21 @@ class UpdateInfo:
     """``update_weights`` payload (one chunk) of the ``"weightsync"`` backend.
 
     Attributes:
-        folder: the update's folder; workers write their outcome there at finish (files mode).
-        files: bucket files in ``folder`` to load now, in order.
-        gloo: load what the trainer broadcasts over the gloo group until its END frame.
+        folder: the folder of ``files``.
+        files: bucket files in ``folder`` to check (every tag, name and shape) and then load,
+            in order.
+        gloo: load what the trainer broadcasts over the gloo group until its END frame (with
+            ``stage``: receive it into host memory instead).
         abort: the trainer failed part-way (the reason): abandon this update.
         key: this sync's tag key (``wire.tags``), "" when the trainer sends no tags.
         tags: the tag of each of ``files``, in order (gloo: the tags travel in the stream).
         delta: gloo: the trainer sends deltas (``wire.delta``) and this is the id the update
             leaves in the workers' kept copies once it has loaded ("" = no deltas).
+        stage: gloo: start receiving the stream into host memory in a thread and return at
+            once (`gloo.Staging`); nothing is loaded.
+        max_bytes: with ``stage``, the most a worker may stage (None: no bound).
+        staged: wait for the staged stream's END and check every name and shape in it.
+        commit: load what was staged (and checked).
     """
 
     folder: str = ""
@@ -310,3 +317,7 @@ class UpdateInfo:
     key: str = ""
     tags: list[str] = field(default_factory=list)
     delta: str = ""
+    stage: bool = False
+    max_bytes: int | None = None
+    staged: bool = False
+    commit: bool = False

@@ -5,17 +5,30 @@ vLLM 0.32 exposes a four-call weight-update protocol: ``init_weight_transfer_eng
 ``start_weight_update``, ``update_weights`` (one or many chunks), ``finish_weight_update``, as
 ``LLM`` methods, ``AsyncLLM`` methods and HTTP routes (``vllm serve --weight-transfer-config
 '{"backend": "weightsync"}'``). The bytes travel through a *backend* vLLM creates in every
-worker: `WeightsyncTransferEngine` receives checkpoint-format buckets as files in a folder named
-by each chunk (same host or shared filesystem), or over a gloo group (any host), and loads them
-with vLLM's layerwise reload between ``start_weight_update`` and ``finish_weight_update``.
+worker: `WeightsyncTransferEngine` receives checkpoint-format buckets as files in a folder, or
+over a gloo group (any host), and loads them with vLLM's layerwise reload.
+
+Stage, then commit. vLLM's calls neither pause the engine nor touch the model by themselves, so
+``start_weight_update`` here only opens the update: the layerwise reload (which puts every layer
+on the meta device) begins at the first load, after every check passed. Over files every file's
+tag, names and shapes are checked before the first byte is loaded. Over gloo the stream can be
+staged while the engine keeps generating: one ``update_weights`` starts receiving it into host
+memory in a thread (``gloo.Staging``, bounded by ``max_bytes``) and returns, a second waits for
+its END and checks every name and shape, and a third, inside the trainer's pause, loads it. A
+refused tag, a cut stream, a dead trainer or a name the engine does not load before the load
+leaves the model untouched.
 
 Why it never raises from vLLM's four calls: vLLM's multiprocess executor stops reading replies at
 the first failed worker, so with TP>1 the other workers' replies stay queued and answer the next
 calls; and a raising ``finish_weight_update`` leaves vLLM's ``_weight_update_active`` set, so
-every later update is refused. Instead a failure abandons the half-done reload at once
-(``model_ops.abandon_layerwise_reload``), the rest of the update is skipped, and at
-``finish_weight_update`` each worker reports its `Outcome` the way the bytes came: a result file
-in the update's folder, or an all-gather over the gloo group. The trainer raises it.
+every later update is refused. Instead a failure abandons a half-done reload at once
+(``model_ops.abandon_layerwise_reload``), the rest of the update is skipped, and the trainer
+reads every worker's `Outcome` through the worker extension (``weightsync_weight_update``),
+which answers through ``/collective_rpc``. That answer carries the ``RELOAD_REPORT``: the layers
+a failed load had finished (a mix: a server with weightsync's middleware, ``server_lease.py``,
+refuses to generate until a full sync) or, after a success, whether every weight of the engine
+was loaded (which lifts that fence). Layers a failed load finished are reported once, there or
+by the next ``weightsync_abandon`` (a pause lease that expires after the trainer died).
 
 Registration: the backend must be registered in every worker process before vLLM builds it
 (``Worker.load_model``). The worker extension calls `register_when_vllm_loads` when vLLM imports
@@ -25,10 +38,13 @@ it in each worker (``--worker-extension-cls``), which registers without importin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.abc
 import importlib.util
+import json
 import logging
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +54,14 @@ from ....wire import format as fmt
 from ....wire import gloo
 from ....wire.delta import LoadedCopies
 from ....wire.files import check_files
-from ....wire.protocol import InitInfo, Outcome, UpdateInfo
-from .model_ops import abandon_layerwise_reload, has_cpu_moe, repack_cpu_moe
+from ....wire.protocol import RELOAD_REPORT, InitInfo, Outcome, UpdateInfo
+from .model_ops import (
+    abandon_layerwise_reload,
+    check_loadable,
+    finished_in,
+    has_cpu_moe,
+    repack_cpu_moe,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +118,25 @@ def register_when_vllm_loads() -> None:
 
 def worker_rank(parallel_config: Any) -> int:
     """This worker's rank among all workers of all data-parallel replicas (as vLLM's NCCL
-    backend computes it): result files and gloo ranks are keyed on it."""
+    backend computes it): gloo ranks are keyed on it."""
     return int(
         parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
     )
 
 
-def result_file(folder: str | Path, rank: int) -> Path:
-    """Where worker ``rank`` writes its outcome of an update sent as files in ``folder``."""
-    return Path(folder) / f"result-rank{rank:04d}.json"
+def file_shapes(paths: list[Path]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Name and shape of every tensor of bucket files (headers only), each also under its
+    aliases (``wire.format``)."""
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(str(path), framework="pt") as h:
+            others = json.loads((h.metadata() or {}).get(fmt.ALIASES_KEY, "{}"))
+            for key in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                shape = tuple(h.get_slice(key).get_shape())
+                yield key, shape
+                for other in others.get(key, []):
+                    yield other, shape
 
 
 def _make_engine_class() -> type:
@@ -112,8 +144,8 @@ def _make_engine_class() -> type:
 
     class WeightsyncTransferEngine(WeightTransferEngine):
         """vLLM weight-transfer backend ``"weightsync"``: checkpoint-format buckets from files
-        or a gloo group, loaded with vLLM's layerwise reload; see the module docstring for why
-        it reports failures at finish instead of raising them."""
+        or a gloo group, checked whole, then loaded with vLLM's layerwise reload; see the module
+        docstring for the stage and commit, and why it reports failures instead of raising."""
 
         init_info_cls = InitInfo
         update_info_cls = UpdateInfo
@@ -125,24 +157,33 @@ def _make_engine_class() -> type:
             self.rank = worker_rank(self.parallel_config)
             self._group: Any = None
             self._store: Any = None
-            self._group_size = 0
+            self._timeout_s = 300.0
             #: The bucket bytes of the last update a delta trainer sent (``wire.delta``); the
             #: worker extension's ``weightsync_delta_state(backend=True)`` reports their id.
             self.copies: LoadedCopies | None = None
+            #: Name -> shape of every weight the engine loads, set by the worker extension when
+            #: it reads the engine's facts: what is staged is checked against it, and a load
+            #: that covered all of it is a full restore. Empty: neither is known.
+            self.expected: Mapping[str, tuple[int, ...]] = {}
+            self._written: list[str] = []  # layers failed loads finished, not yet reported
+            self._stage: gloo.Staging | None = None
             self._new_round()
 
         def _new_round(self) -> None:
+            self._drop_stage()
             self._error = ""  # the first failure of this update ("" = none)
-            self._folder = ""  # files mode: where the outcome is written
-            self._gloo = False  # gloo mode: the outcome is all-gathered at finish
             self._delta = ""  # the id a delta update leaves in `copies` once loaded
             self._buckets = 0  # buckets received in this update (gloo)
+            self._reloading = False  # the layerwise reload began (the model is being written)
+            self._loaded: set[str] = set()  # names loaded in this update
+            self._finished = False  # finish_weight_update ran
 
         # -- vLLM's calls ------------------------------------------------------------------
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             # A new trainer: an update the last one left open reports to nobody.
             self._new_round()
+            self._timeout_s = float(init_info.timeout_s)
             if not init_info.host:
                 return  # files only: nothing to set up
             try:
@@ -154,114 +195,156 @@ def _make_engine_class() -> type:
                     float(init_info.timeout_s),
                     init_info.secret,
                 )
-                self._group_size = int(init_info.world_size)
             except Exception:  # the trainer's rendezvous times out and says so
                 logger.exception("weightsync: worker %d could not join the gloo group", self.rank)
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            self._new_round()
-            try:
-                initialize_layerwise_reload(self.model)
-            except Exception as e:  # noqa: BLE001 (reported at finish, see the module docstring)
-                self._fail(e)
+            self._new_round()  # the model is untouched until the first load (module docstring)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             try:
                 info = self.parse_update_info(update_info)
-            except Exception as e:  # noqa: BLE001 (reported at finish)
+            except Exception as e:  # noqa: BLE001 (reported, see the module docstring)
                 self._fail(e)
                 return
-            self._folder = info.folder or self._folder
-            self._gloo = self._gloo or info.gloo
             if info.abort:
                 self._fail(RuntimeError(f"the trainer aborted the update: {info.abort}"))
+                return
+            if info.gloo and self._group is None:
+                self._fail(RuntimeError("no gloo group: init_weight_transfer_engine with a host"))
             copies = None
             if info.delta and not self._error:
                 copies = self.copies = self.copies or LoadedCopies()
                 copies.begin()
                 self._delta = info.delta
-            receiver = (
-                gloo.Receiver(self._group, info.key, copies) if info.gloo and self._group else None
-            )
-            if info.gloo and receiver is None:
-                self._fail(RuntimeError("no gloo group: init_weight_transfer_engine with a host"))
+            if info.stage and not self._error:
+                self._stage = gloo.Staging(self._group, info.key, copies, max_bytes=info.max_bytes)
+                return
+            receiver = None
+            if info.gloo and not (info.staged or info.commit) and self._group is not None:
+                receiver = gloo.Receiver(self._group, info.key, copies)
             if not self._error:
                 try:
-                    self._load(info, receiver)
-                except Exception as e:  # noqa: BLE001 (reported at finish)
+                    self._step(info, receiver)
+                except Exception as e:  # noqa: BLE001 (reported, see the module docstring)
                     self._fail(e)
             if receiver is not None:
                 receiver.drain()  # the trainer's broadcasts complete even after a failure
                 self._buckets += receiver.buckets
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
-            receiver = gloo.Receiver(self._group, update_info.key) if update_info.gloo else None
-            self._load(update_info, receiver)
+            self.update_weights(dataclasses.asdict(update_info))
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            if not self._error:
+            if self._reloading and not self._error:
                 try:
                     finalize_layerwise_reload(self.model, self.model_config)
+                    self._reloading = False
                     # vLLM-CPU's reload skips the experts' prepack (model_ops.repack_cpu_moe).
                     if has_cpu_moe(self.model):
                         repack_cpu_moe(self.model)
-                except Exception as e:  # noqa: BLE001 (reported at finish)
+                except Exception as e:  # noqa: BLE001 (reported, see the module docstring)
                     self._fail(e)
             if self._delta and self.copies is not None and not self._error:
                 self.copies.commit(self._delta, self._buckets)
-            self._report()
-            self._new_round()
+            self._drop_stage()
+            self._finished = True
 
         def shutdown(self) -> None:
+            self._drop_stage()
             self._group = self._store = None
-            self._group_size = 0
+
+        # -- what the worker extension reads -------------------------------------------------
+
+        def outcome(self) -> Outcome:
+            """The running update's outcome so far or, once finished, with its
+            ``RELOAD_REPORT``: the layers failed loads finished (reported once: `take_written`),
+            or whether it loaded every weight of the engine."""
+            if not self._finished:
+                return Outcome(error=self._error, rank=self.rank)
+            if self._error:
+                report: dict[str, Any] = {"written": self.take_written()}
+            else:
+                complete = bool(self.expected) and self._loaded.issuperset(self.expected)
+                report = {"complete": complete}
+            return Outcome(error=self._error, rank=self.rank, value={RELOAD_REPORT: report})
+
+        def take_written(self) -> list[str]:
+            """The layers failed loads had finished (a mix) that no report has named yet."""
+            written, self._written = self._written, []
+            return written
 
         # -- helpers -------------------------------------------------------------------------
 
-        def _load(self, info: UpdateInfo, receiver: gloo.Receiver | None) -> None:
+        def _step(self, info: UpdateInfo, receiver: gloo.Receiver | None) -> None:
+            """Check (and load) one chunk: files, a stream, or the stage."""
+            if info.staged or info.commit:
+                if self._stage is None:
+                    raise RuntimeError("nothing is staged: update_weights with stage first")
+                pairs = self._stage.wait(self._timeout_s if info.staged else 0.0)
+                self._buckets = self._stage.buckets
+                if info.staged:
+                    if self.expected:
+                        check_loadable(pairs, self.expected)
+                    return
+                self._load(iter(pairs))
+                self._drop_stage()
+                return
+            if receiver is not None:
+                self._load(iter(receiver))
+                return
+            paths = [Path(info.folder) / name for name in info.files]
+            if info.key:  # every file of this chunk, before any is read
+                check_files(info.folder, info.files, info.key, info.tags)
+            if self.expected:
+                check_loadable(file_shapes(paths), self.expected)
+            self._load(fmt.read(paths))
+
+        def _load(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
             from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
             )
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            if receiver is None and info.key:  # every file of this chunk, before any is read
-                check_files(info.folder, info.files, info.key, info.tags)
-            pairs = (
-                iter(receiver)
-                if receiver is not None
-                else fmt.read(Path(info.folder) / name for name in info.files)
-            )
+            if not self._reloading:
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
             with torch.no_grad(), disable_mtp_completeness_check():
-                self.model.load_weights(pairs)
+                self.model.load_weights(self._noting(pairs))
+
+        def _noting(
+            self, pairs: Iterator[tuple[str, torch.Tensor]]
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in pairs:
+                self._loaded.add(name)
+                yield name, tensor
 
         def _fail(self, error: BaseException) -> None:
-            """Record the first failure of this update and give every layer the reload left
-            unfinished its previous tensors back, so the worker keeps serving."""
+            """Record the first failure of this update, drop what is staged and, if the load
+            began, give every layer it left unfinished its previous tensors back (noting those
+            it had finished: a mix), so the worker keeps serving."""
             logger.error("weightsync: weight update failed on worker %d: %s", self.rank, error)
             if self.copies is not None:
                 self.copies.clear()  # in doubt: the next update is sent whole
             if not self._error:
                 self._error = f"{type(error).__name__}: {error}"
+            self._drop_stage()
+            if not self._reloading:
+                return  # nothing was loaded: the old weights are whole
+            self._written = sorted({*self._written, *finished_in(self.model)})
             try:
                 abandon_layerwise_reload(self.model, self.model_config)
+                self._reloading = False
             except Exception as e:  # the trainer must restart this engine
                 logger.exception("weightsync: restoring the unfinished layers failed")
                 self._error += f"; restoring the unfinished layers failed too ({e})"
 
-        def _report(self) -> None:
-            """Send this update's outcome back the way its bytes came (files or gloo)."""
-            outcome = Outcome(error=self._error, rank=self.rank)
-            try:
-                if self._gloo and self._group is not None:
-                    work, _ = gloo.gather_outcomes(self._group, self._group_size, outcome)
-                    work.wait()
-                elif self._folder:
-                    result_file(self._folder, self.rank).write_bytes(outcome.to_bytes())
-            except Exception:  # the trainer is gone: nobody to tell (and never raise here)
-                logger.exception("weightsync: could not report the update's outcome")
+        def _drop_stage(self) -> None:
+            if self._stage is not None:
+                self._stage.drop()
+            self._stage = None
 
     return WeightsyncTransferEngine
 

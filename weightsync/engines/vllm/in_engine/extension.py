@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ....errors import WeightMismatchError
 from ....wire import format as fmt
 from ....wire import gloo, scratch
 from ....wire.delta import LoadedCopies
@@ -41,6 +39,7 @@ from ....wire.files import MappedFiles, check_files
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, Outcome
 from . import backend, ledger, model_ops
 from . import checkpoint as ckpt
+from .model_ops import check_loadable
 
 
 class WeightsyncWorker:
@@ -83,6 +82,8 @@ class WeightsyncWorker:
     def _weightsync_known_facts(self) -> EngineFacts:
         if self._weightsync_facts is None:
             self._weightsync_facts = model_ops.read_facts(self)
+            if (engine := self._weightsync_backend()) is not None:
+                engine.expected = self._weightsync_facts.weights  # what its checks refuse
         return self._weightsync_facts
 
     def weightsync_attest(
@@ -289,9 +290,24 @@ class WeightsyncWorker:
         return getattr(self._weightsync_backend(), "copies", None)
 
     def _weightsync_backend(self) -> Any:
-        """vLLM's weight-transfer engine of this worker (weightsync's backend when the engine
-        was started with it), or None."""
-        return getattr(self, "weight_transfer_engine", None)
+        """weightsync's weight-transfer backend of this worker (``backend.py``), or None (the
+        engine runs another backend, or none)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return engine if hasattr(engine, "take_written") else None
+
+    def weightsync_weight_update(self) -> dict:
+        """This worker's outcome of the update weightsync's weight-transfer backend runs or ran
+        last (vLLM's four calls return nothing): its error, and once it finished the
+        ``RELOAD_REPORT`` of what it did to the weights, which fences a server serving a mix or
+        lifts the fence after a full restore (``server_lease.py`` reads it here)."""
+        engine = self._weightsync_backend()
+        if engine is None:
+            error = RuntimeError(
+                "this engine does not run weightsync's weight-transfer backend "
+                """(--weight-transfer-config '{"backend": "weightsync"}')"""
+            )
+            return self._weightsync_outcome(error)
+        return dict(engine.outcome().to_json())
 
     def weightsync_receive_adapter(
         self, version: int, config: str, key: str = "", keep: int = 2
@@ -326,38 +342,20 @@ class WeightsyncWorker:
             self._weightsync_adapter_root = None
         return self._weightsync_outcome()
 
-    def weightsync_abandon(self, fence: bool = True) -> dict:
+    def weightsync_abandon(self) -> dict:
         """Give every layer a half-done layerwise reload left unfinished its previous tensors
         back. Safe to call when nothing is pending; the value says whether anything was, and
         which layers it had finished (``wire.protocol.RELOAD_REPORT``, which fences a server
-        when any were). ``fence=False``: the same facts outside that report, for a caller that
-        rewrites every weight next inside the same pause (an update a dead trainer left open,
-        closed by the next trainer's), so the mix is never served."""
+        when any were), the layers failed loads of weightsync's weight-transfer backend
+        finished included when no report named them yet (their trainer died first)."""
         try:
             report = model_ops.abandon(self)
-            return self._weightsync_outcome(value=report if fence else report[RELOAD_REPORT])
+            if (engine := self._weightsync_backend()) is not None:
+                written = report[RELOAD_REPORT]["written"]
+                written[:] = sorted({*written, *engine.take_written()})
+            return self._weightsync_outcome(value=report)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
-
-
-def check_loadable(pairs: list[tuple[str, Any]], expected: Mapping[str, tuple[int, ...]]) -> None:
-    """Refuse a staged stream with a tensor this engine does not load, or of another shape:
-    vLLM's reload would fail on it part-way, after the layers before it were written.
-
-    Raises:
-        WeightMismatchError: naming the first such tensor.
-    """
-    for name, tensor in pairs:
-        shape = expected.get(name)
-        if shape is None:
-            raise WeightMismatchError(
-                f"{name!r} is not a weight this engine loads: nothing of the stream was loaded"
-            )
-        if tuple(tensor.shape) != tuple(shape):
-            raise WeightMismatchError(
-                f"{name!r} has shape {tuple(tensor.shape)}, the engine loads {tuple(shape)}: "
-                "nothing of the stream was loaded"
-            )
 
 
 # vLLM builds its weight-transfer backend in every worker, by name, before the first load: the

@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ....errors import UnsupportedModelError, WeightSyncError
+from ....errors import UnsupportedModelError, WeightMismatchError, WeightSyncError
 from ....wire import format as fmt
 from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
@@ -132,12 +132,18 @@ def finished_layers(obj: Any) -> list[str]:
     """The layers (module names) a pending layerwise reload on this worker's model has already
     finished: their new weights are in place, and abandoning the reload keeps them. Empty when
     no reload is pending (none started, or it completed)."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
     try:
         model = worker_of(obj).model_runner.get_model()
     except Exception:  # noqa: BLE001 (no model: nothing was written)
         return []
+    return finished_in(model)
+
+
+def finished_in(model: torch.nn.Module) -> list[str]:
+    """`finished_layers` of ``model`` itself (the weight-transfer backend holds the model, not
+    the worker)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
     pending, finished = False, []
     for name, layer in model.named_modules():
         info = LAYERWISE_INFO.get(layer)
@@ -148,6 +154,29 @@ def finished_layers(obj: Any) -> list[str]:
         elif any(p is not None for p in layer._parameters.values()):
             finished.append(name)  # processed (its info reset): its new tensors are in place
     return finished if pending else []
+
+
+def check_loadable(
+    pairs: Iterable[tuple[str, Any]], expected: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Refuse staged ``(name, tensor or shape)`` pairs holding a tensor this engine does not
+    load, or of another shape: vLLM's reload would fail on it part-way, after the layers before
+    it were written.
+
+    Raises:
+        WeightMismatchError: naming the first such tensor.
+    """
+    for name, tensor in pairs:
+        shape, want = tuple(getattr(tensor, "shape", tensor)), expected.get(name)
+        if want is None:
+            raise WeightMismatchError(
+                f"{name!r} is not a weight this engine loads: nothing of the stream was loaded"
+            )
+        if shape != tuple(want):
+            raise WeightMismatchError(
+                f"{name!r} has shape {shape}, the engine loads {tuple(want)}: "
+                "nothing of the stream was loaded"
+            )
 
 
 def abandon(obj: Any) -> dict[str, Any]:

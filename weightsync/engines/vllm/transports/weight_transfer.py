@@ -1,12 +1,23 @@
 """Buckets through vLLM's weight-transfer API (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``) to weightsync's
-``"weightsync"`` backend in the workers (``in_engine/backend.py``), carried by files or gloo."""
+``"weightsync"`` backend in the workers (``in_engine/backend.py``), carried by files or gloo.
+
+Stage, then commit. The bytes land on the engine's side while it keeps serving: every bucket's
+file written and tagged (`WeightTransferFiles`), or the whole stream received into the workers'
+host memory and checked there (`WeightTransferGloo`); the engine's pause then holds only the
+load (the files' tag and name checks, then vLLM's layerwise reload). A trainer that fails or
+dies, a cut stream or a forged bucket before the load leaves the engine untouched and, over
+gloo, never paused. A load that fails after layers took their new weights is reported by the
+workers (``wire.protocol.RELOAD_REPORT``, read through the worker extension's
+``weightsync_weight_update``), so a server with weightsync's middleware refuses to generate
+until a full sync instead of serving the mix (``server_lease.py``).
+"""
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
@@ -15,15 +26,21 @@ from typing import Any
 
 from .... import timing
 from ....plan import Bucket
-from ....wire import format as fmt
 from ....wire import gloo
 from ....wire.delta import SentCopies, WireCount
-from ....wire.files import bucket_name, sign_file
-from ....wire.protocol import InitInfo, Outcome, UpdateInfo, raise_failures
+from ....wire.files import write_folder
+from ....wire.protocol import InitInfo, Outcome, UpdateInfo
 from ....wire.scratch import private_dir, scratch_dir
-from ....wire.tags import Signer
-from ..in_engine.backend import result_file
-from .base import Rpc, Transport, drop_kept_copies, proof_args, send_timed, sent_copies, signer_for
+from .base import (
+    Rpc,
+    Staged,
+    Transport,
+    drop_kept_copies,
+    proof_args,
+    send_timed,
+    sent_copies,
+    signer_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +71,6 @@ class LLMWeightSyncClient:
         self.llm.shutdown_weight_transfer_engine()
 
 
-_NO_OUTCOME = (
-    "reported no outcome: is the engine running the 'weightsync' weight-transfer backend "
-    """(--weight-transfer-config '{"backend": "weightsync"}') and reading this folder?"""
-)
-
-
 def _call(client: Any, method: str, *args: Any) -> Any:
     """``client.<method>(*args)``, with the server's answer in the error: vLLM's HTTP client
     raises ``HTTPError`` with the status only, and the body says what went wrong."""
@@ -76,13 +87,14 @@ class WeightTransferTransport(Transport):
     """Buckets through vLLM's weight-transfer API to the ``"weightsync"`` backend, carried by
     files (`WeightTransferFiles`) or a gloo group (`WeightTransferGloo`): construct one of those.
 
-    Every write is one update: ``start_weight_update``, then the buckets, then
-    ``finish_weight_update``, after which every worker's outcome is read back and a failure is
-    raised. If the trainer fails part-way it tells the workers to abandon the update before
-    finishing it.
+    `prepare` stages the bytes while the engine serves; the apply is one update
+    (``start_weight_update``, the load, ``finish_weight_update``, over gloo opened while
+    staging), after which every worker's outcome is read through the worker extension
+    (``weightsync_weight_update``) and a failure is raised. An update the trainer gives up
+    before its load is closed (``abort``, then ``finish_weight_update``) with nothing loaded.
 
     ``finish_weight_update`` does not reset vLLM's prefix cache (measured): the engine's write
-    path (``RemoteVLLMEngine``) pauses, sends, resets it and resumes around `send`.
+    path (``RemoteVLLMEngine``) pauses, applies, resets it and resumes.
 
     ``client`` is a ``VLLMWeightSyncClient``: vLLM's ``HTTPVLLMWeightSyncClient(url)`` for a
     server started with ``--weight-transfer-config '{"backend": "weightsync"}'``, or
@@ -91,6 +103,8 @@ class WeightTransferTransport(Transport):
     own HTTP client sends none). ``tagged``: tag every bucket (``wire.tags``): the key and a
     file's tag travel in the ``update_weights`` payload, a stream's tags in the stream.
     """
+
+    stages = True
 
     def __init__(self, client: Any, *, tagged: bool = True) -> None:
         self.client = client
@@ -117,10 +131,22 @@ class WeightTransferTransport(Transport):
     def _connected(self) -> bool:
         return bool(self._world_size)
 
+    def _check_connected(self) -> None:
+        if not self._connected():
+            raise RuntimeError(f"{type(self).__name__} used before connect (or after close)")
+
+    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
+        staged = self.prepare(rpc, buckets)
+        try:
+            staged.apply()
+        finally:
+            staged.drop()
+
     def _start(self, rpc: Rpc) -> None:
         """``start_weight_update``; if a trainer that died mid-update left its update open (vLLM
-        then refuses a new one, and the layers it began wait on the meta device), restore those
-        layers through the worker extension, close that update and start again.
+        then refuses a new one), restore what it left unfinished (``weightsync_abandon``, which
+        also reports layers its failed load had finished: a server fences them), close that
+        update and start again.
 
         At TP>1 vLLM's own refusal already leaves its RPC replies out of step (every worker
         raises); only restarting the engine recovers from that."""
@@ -130,60 +156,56 @@ class WeightTransferTransport(Transport):
             if "already active" not in str(e):
                 raise
             logger.warning("weightsync: closing a weight update another trainer left open")
-            # Inside this trainer's pause, and the update that follows rewrites every weight:
-            # the dead trainer's finished layers are never served, so no fence (server_lease).
-            rpc("weightsync_abandon", {"fence": False})
-            _call(self.client, "finish_weight_update")
+            rpc("weightsync_abandon", {})
+            self._abort("another trainer left it open")
             _call(self.client, "start_weight_update")
 
-    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
-        if not self._connected():
-            raise RuntimeError(f"{type(self).__name__}.send before connect (or after close)")
-        signer = signer_for(self.tagged)
-        copies = self._copies
-        delta = ""
-        if copies is not None:  # deltas only if every worker holds the last sync's copies
-            delta = copies.begin(o.value for o in rpc("weightsync_delta_state", {"backend": True}))
-        try:
-            self._start(rpc)
-            failure, outcomes = self._update(buckets, signer, delta)
-        except BaseException:
-            if copies is not None:
-                copies.reset()
-            raise
-        if copies is not None:
-            if failure is None and all(o.ok for o in outcomes):
-                copies.commit()
-            else:
-                copies.reset()
-        if failure is not None:
-            raise failure  # the trainer's error is the cause; the workers abandoned the update
-        raise_failures(
-            "the weight update",
-            outcomes,
-            hint=(
-                " (they restored their unfinished layers and keep serving a mix of old and new "
-                "weights; sync every weight again)"
-            ),
-        )
+    def _update(self, info: UpdateInfo) -> None:
+        _call(self.client, "update_weights", asdict(info))
 
-    def _update(
-        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
-    ) -> tuple[BaseException | None, list[Outcome]]:
-        """The buckets of one started update, then its finish: the trainer-side failure (the
-        workers were told to abandon) and every worker's outcome."""
-        raise NotImplementedError
+    def _abort(self, reason: str) -> None:
+        """Close the open update with nothing more loaded (the workers drop what is staged and
+        restore any layer a load left unfinished)."""
+        self._update(UpdateInfo(abort=reason))
+        _call(self.client, "finish_weight_update")
+
+    def _close_given_up(self, rpc: Rpc, error: BaseException) -> None:
+        """`_abort` for an update given up because of ``error`` (which the caller raises), and
+        the workers' outcome read, so a server's middleware learns of layers a load had
+        finished before the update was given up (a mix, fenced)."""
+        try:
+            self._abort(Outcome.failed(error).error)
+            rpc("weightsync_weight_update", {})
+        except Exception:  # the trainer's error is the one to raise (the workers say aborted)
+            logger.debug("weightsync: closing the abandoned weight update", exc_info=True)
+
+    def _commit(self, rpc: Rpc, load: Callable[[], None]) -> None:
+        """``load()`` in the open update, then ``finish_weight_update`` and every worker's
+        outcome, raised if any failed (the workers report it through the extension, so a
+        server's middleware sees a mix the failure left)."""
+        try:
+            load()
+        except BaseException as error:
+            self._close_given_up(rpc, error)
+            raise
+        _call(self.client, "finish_weight_update")
+        rpc("weightsync_weight_update", {})
 
     def close(self) -> None:
         self._world_size = 0
         self._pool.shutdown(wait=False)
 
 
+def _serializing() -> Any:
+    return timing.span("serialize")
+
+
 class WeightTransferFiles(WeightTransferTransport):
-    """`WeightTransferTransport` carried by files: one ``update_weights`` per safetensors file
-    in a RAM folder, the next bucket written while the workers load the last, so at most two
-    are on disk; every worker writes its outcome to a result file there. Same host, or a
-    shared filesystem.
+    """`WeightTransferTransport` carried by files: every bucket written as a tagged safetensors
+    file to a new folder in RAM while the engine serves; the commit is one ``update_weights``
+    naming them all, whose workers check every file's tag, names and shapes before loading
+    any. Costs the synced bytes in that folder (tmpfs: RAM) from the stage to the end of the
+    commit. Same host, or a shared filesystem.
 
     Args:
         client: see `WeightTransferTransport`.
@@ -199,72 +221,27 @@ class WeightTransferFiles(WeightTransferTransport):
         self._owned = root is None
         self.root = private_dir(root) if root is not None else scratch_dir(self, "weight-transfer")
         self._updates = 0
-        self._folder = self.root  # the running update's folder (`send`)
 
     def _join(self, world_size: int) -> None:
         _call(self.client, "init_weight_transfer_engine", asdict(InitInfo()))
 
-    def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
-        """The update's folder is made before the engine is touched and removed after."""
+    def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
+        """Write and tag every bucket's file now, while the engine serves (a failure here
+        removes the folder and leaves the engine untouched); the apply is the update that
+        checks and loads them, the drop removes the folder."""
+        self._check_connected()
+        signer = signer_for(self.tagged)
         self._updates += 1
-        self._folder = self.root / f"update-{self._updates:06d}"
-        self._folder.mkdir(mode=0o700, parents=True)
-        try:
-            super().send(rpc, buckets)
-        finally:
-            shutil.rmtree(self._folder, ignore_errors=True)
+        folder = self.root / f"update-{self._updates:06d}"
+        written = write_folder(buckets, folder, around=_serializing, signer=signer)
+        proof = proof_args(signer, written.tags)
+        info = UpdateInfo(folder=str(folder), files=written.names, **proof)
 
-    def _update(
-        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
-    ) -> tuple[BaseException | None, list[Outcome]]:
-        failure = self._stream(self._folder, buckets, signer)
-        return failure, self._finish(self._folder)
+        def apply() -> None:
+            self._start(rpc)
+            self._commit(rpc, lambda: self._update(info))
 
-    def _stream(
-        self, folder: Path, buckets: Iterable[Bucket], signer: Signer | None
-    ) -> BaseException | None:
-        """Write and load the buckets one file each; returns the trainer-side failure."""
-        loading: Future | None = None
-        previous: Path | None = None
-        try:
-            for i, bucket in enumerate(buckets):
-                path = folder / bucket_name(i)
-                with timing.span("serialize"):
-                    fmt.write(bucket, path)
-                    proof = proof_args(signer, [sign_file(signer, path)] if signer else None)
-                if loading is not None and previous is not None:
-                    loading.result()
-                    previous.unlink()
-                update = asdict(UpdateInfo(folder=str(folder), files=[path.name], **proof))
-                loading = self._pool.submit(_call, self.client, "update_weights", update)
-                previous = path
-            if loading is not None:
-                loading.result()
-            return None
-        except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
-            if loading is not None and not loading.done():
-                loading.exception()  # wait: never two chunks at once
-            try:
-                _call(
-                    self.client,
-                    "update_weights",
-                    asdict(UpdateInfo(folder=str(folder), abort=Outcome.failed(error).error)),
-                )
-            except Exception:  # the trainer's error is the one to raise
-                logger.exception("weightsync: telling the workers to abandon the update failed")
-            return error
-
-    def _finish(self, folder: Path) -> list[Outcome]:
-        """``finish_weight_update`` and every worker's outcome, from its result file."""
-        _call(self.client, "finish_weight_update")
-        outcomes = []
-        for rank in range(self._world_size):
-            path = result_file(folder, rank)
-            if not path.exists():
-                outcomes.append(Outcome.failed(_NO_OUTCOME, rank))
-            else:
-                outcomes.append(Outcome.from_bytes(path.read_bytes()))
-        return outcomes
+        return Staged(apply, lambda: shutil.rmtree(folder, ignore_errors=True))
 
     def close(self) -> None:
         super().close()
@@ -273,9 +250,9 @@ class WeightTransferFiles(WeightTransferTransport):
 
 
 class WeightTransferGloo(WeightTransferTransport):
-    """`WeightTransferTransport` carried by a gloo group (trainer rank 0, any host): one
-    ``update_weights`` while the buckets are broadcast as ``wire.stream``'s frames, every
-    worker's outcome all-gathered over the group.
+    """`WeightTransferTransport` carried by a gloo group (trainer rank 0, any host): the
+    buckets are broadcast as ``wire.stream``'s frames into every worker's stage (host memory)
+    while the engine serves, checked whole there, and loaded by the commit.
 
     Args:
         client: see `WeightTransferTransport`.
@@ -285,8 +262,14 @@ class WeightTransferGloo(WeightTransferTransport):
         tagged: see `WeightTransferTransport`.
         delta: send only the changed words of a bucket whose base every worker's backend holds
             (``wire.delta``, as `GlooTransport`); needs ``tagged``. The trainer asks the
-            workers for their copies' id through weightsync's worker extension (vLLM's four
-            calls cannot answer), so the engine needs that extension too.
+            workers for their copies' id through weightsync's worker extension.
+        stage: receive the whole stream before loading any of it, as `GlooTransport` does:
+            costs each worker the synced bytes in host memory (TP ranks included) from the
+            first bucket to the commit. False: the workers load each bucket as it comes, inside
+            the engine's pause, and a failure part-way leaves a mix (fenced on a server with
+            weightsync's middleware).
+        max_stage_bytes: the most a worker may stage (None: no bound); a larger sync is
+            refused with nothing loaded.
 
     Raises:
         ValueError: ``delta`` without ``tagged``.
@@ -303,10 +286,14 @@ class WeightTransferGloo(WeightTransferTransport):
         *,
         tagged: bool = True,
         delta: bool = False,
+        stage: bool = True,
+        max_stage_bytes: int | None = None,
     ) -> None:
         super().__init__(client, tagged=tagged)
         self._copies = sent_copies(delta, tagged, "WeightTransferGloo")
         self.link = gloo.Link(host, port, timeout_s)
+        self.stages = stage
+        self.max_stage_bytes = max_stage_bytes
 
     def _join(self, world_size: int) -> None:
         size = world_size + 1
@@ -325,38 +312,79 @@ class WeightTransferGloo(WeightTransferTransport):
     def _connected(self) -> bool:
         return super()._connected() and self.link.group is not None
 
-    def _update(
-        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
-    ) -> tuple[BaseException | None, list[Outcome]]:
-        failure = self._stream(buckets, signer, delta)
-        return failure, self._finish()
+    def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
+        """Open the update and broadcast every bucket into the workers' stages while the engine
+        serves, then wait until every worker checked the whole stream; the apply loads what
+        they staged. Any failure here (a refused frame, the trainer's own error, a dead
+        trainer, a stage too large, a name the engine does not load) closes the update with
+        nothing loaded and the engine never paused. ``stage=False``: the whole update is the
+        apply."""
+        self._check_connected()
+        signer = signer_for(self.tagged)
+        copies = self._copies
+        delta = ""
+        if copies is not None:  # deltas only if every worker holds the last sync's copies
+            delta = copies.begin(o.value for o in rpc("weightsync_delta_state", {"backend": True}))
+        send_one = partial(send_timed, copies=copies)
+        proof = proof_args(signer)
+        settled: list[bool] = []
 
-    def _stream(
-        self, buckets: Iterable[Bucket], signer: Signer | None, delta: str
-    ) -> BaseException | None:
-        """Broadcast the buckets (``delta``: as deltas where the workers hold the base)
-        while the workers receive; returns the trainer-side failure."""
-        update = asdict(UpdateInfo(gloo=True, delta=delta, **proof_args(signer)))
-        received = self._pool.submit(_call, self.client, "update_weights", update)
-        send_one = partial(send_timed, copies=self._copies)
-        try:
-            gloo.send(self.link.group, buckets, received, send_one, signer)
-        except BaseException as error:  # noqa: BLE001 (raised by send after finishing)
-            return error
-        return None
+        def settle(ok: bool) -> None:  # the trainer's kept copies follow the workers'
+            settled.append(True)
+            if copies is not None and ok:
+                copies.commit()
+            elif copies is not None:
+                copies.reset()
 
-    def _finish(self) -> list[Outcome]:
-        """``finish_weight_update`` and every worker's outcome, all-gathered over the group."""
-        work, gathered = gloo.gather_outcomes(self.link.group, self._world_size + 1, Outcome())
+        def unsettled() -> None:  # the apply never ran
+            if not settled:
+                settle(False)
+
+        if not self.stages:
+
+            def stream() -> None:
+                info = UpdateInfo(gloo=True, delta=delta, **proof)
+                received = self._pool.submit(self._update, info)
+                gloo.send(self.link.group, buckets, received, send_one, signer)
+
+            def apply_streamed() -> None:
+                try:
+                    self._start(rpc)
+                    self._commit(rpc, stream)
+                except BaseException:
+                    settle(False)
+                    raise
+                settle(True)
+
+            return Staged(apply_streamed, unsettled)
+
         try:
-            _call(self.client, "finish_weight_update")
-        except BaseException:
-            # The workers never reached the exchange, which now waits for them: this group
-            # can carry nothing more. Make a new transport (engine) to go on.
-            self.link.close()
+            self._start(rpc)
+            info = UpdateInfo(gloo=True, stage=True, delta=delta, max_bytes=self.max_stage_bytes)
+            self._update(UpdateInfo(**{**asdict(info), **proof}))
+            gloo.send(self.link.group, buckets, None, send_one, signer)
+            self._update(UpdateInfo(gloo=True, staged=True))
+            rpc("weightsync_weight_update", {})  # every worker staged and checked it all
+        except BaseException as error:
+            settle(False)
+            self._close_given_up(rpc, error)
             raise
-        work.wait()
-        return gloo.outcomes(gathered)[1:]
+
+        def apply() -> None:
+            try:
+                self._commit(rpc, lambda: self._update(UpdateInfo(gloo=True, commit=True)))
+            except BaseException:
+                settle(False)
+                raise
+            settle(True)
+
+        def drop() -> None:  # never committed: close the update, the workers drop the stage
+            if not settled:
+                unsettled()
+                dropped = RuntimeError("the staged sync was dropped before its commit")
+                self._close_given_up(rpc, dropped)
+
+        return Staged(apply, drop)
 
     def close(self) -> None:
         if self._copies is not None and self._rpc is not None and self.link.group is not None:
