@@ -59,9 +59,9 @@ weightsync write that completes and loaded every weight of the engine (a full re
 ``FullSync``, ``ReloadWeights``) lifts it. What is not a mix and does not fence: a write refused
 before its first layer finished (a file whose tag does not match, a trainer that failed while
 staging, a stream cut inside the first layer) -- the workers then hold their old weights,
-whole. Not seen: a failure inside vLLM's weight-transfer API backend (``in_engine/backend.py``
-abandons without this report; the trainer still gets the error), and a write not made through
-weightsync (vLLM's own ``reload_weights``): the fence reads weightsync's reports only.
+whole. A load through vLLM's weight-transfer API (``in_engine/backend.py``) reports the same
+way, through ``weightsync_weight_update``. Not seen: a write not made through weightsync
+(vLLM's own ``reload_weights``): the fence reads weightsync's reports only.
 
 Standard library only when vLLM imports it by name at start; the commit route imports
 ``server_commit.py`` (weightsync's control planes) when it first runs.
