@@ -225,6 +225,29 @@ def test_prefix_cache_is_not_stale_after_a_write(engines, inner):
     assert result["engine"] == result["trainer"], "the write left a stale prefix cache"
 
 
+@pytest.mark.parametrize("inner", INNERS)
+def test_nan_the_server_served_does_not_outlive_the_next_sync(engines, inner):
+    """A NaN ``v_proj`` reached the workers through the weight-transfer calls alone (no value
+    check: a framework calling vLLM's API directly), and requests served from it filled
+    KV-cache blocks with NaN; the next honest sync's completed load clears them, so each
+    request after it, one at a time (each reusing blocks the NaN filled), is exact
+    (docs/failure-modes.md, row 38)."""
+    engine = engines(1, inner)
+    model = full_model(ARCH, seed=63 + INNERS.index(inner))
+    FullSync().sync(model, engine)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    poisoned = dict(model.named_parameters())[name].detach().clone().fill_(float("nan"))
+    engine.transport.send(engine.rpc, [[(name, poisoned)]])
+    engine.control.reset_prefix_cache()
+    prompts = [[(11 * i + 7 * j) % 500 + 3 for j in range(40 + 13 * i)] for i in range(6)]
+    # The server computes them, then cannot answer: NaN logprobs are no JSON.
+    with pytest.raises(RuntimeError, match="not JSON compliant"):
+        engine.greedy_batch(prompts, 8)
+    FullSync().sync(model, engine)
+    for prompt in prompts[::-1]:
+        assert engine.greedy(prompt, 8)[0] == T.trainer_greedy(model, prompt, 8)
+
+
 def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
     """A trainer that died between start and finish left vLLM's update open (the layers it began
     wait on the meta device: no request may reach the server); the next sync closes it and

@@ -58,6 +58,7 @@ from ....wire.protocol import RELOAD_REPORT, InitInfo, Outcome, UpdateInfo
 from .model_ops import (
     abandon_layerwise_reload,
     check_loadable,
+    clear_kv_cache,
     finished_in,
     has_cpu_moe,
     repack_cpu_moe,
@@ -165,6 +166,9 @@ def _make_engine_class() -> type:
             #: it reads the engine's facts: what is staged is checked against it, and a load
             #: that covered all of it is a full restore. Empty: neither is known.
             self.expected: Mapping[str, tuple[int, ...]] = {}
+            #: The worker this backend loads into, set with ``expected``: a completed load clears
+            #: its KV cache (`model_ops.clear_kv_cache`, as every other weightsync load does).
+            self.worker: Any = None
             self._written: list[str] = []  # layers failed loads finished, not yet reported
             self._stage: gloo.Staging | None = None
             self._new_round()
@@ -245,6 +249,8 @@ def _make_engine_class() -> type:
                     # vLLM-CPU's reload skips the experts' prepack (model_ops.repack_cpu_moe).
                     if has_cpu_moe(self.model):
                         repack_cpu_moe(self.model)
+                    if self.worker is not None:
+                        clear_kv_cache(self.worker)
                 except Exception as e:  # noqa: BLE001 (reported, see the module docstring)
                     self._fail(e)
             if self._delta and self.copies is not None and not self._error:

@@ -84,6 +84,7 @@ class WeightsyncWorker:
             self._weightsync_facts = model_ops.read_facts(self)
             if (engine := self._weightsync_backend()) is not None:
                 engine.expected = self._weightsync_facts.weights  # what its checks refuse
+                engine.worker = self  # whose KV cache a completed load clears
         return self._weightsync_facts
 
     def weightsync_attest(
