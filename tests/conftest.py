@@ -67,7 +67,10 @@ atexit.register(shutil.rmtree, _RPC_DIR, True)
 #   in file order;
 # - modules whose engines run tensor-parallel run alone (`ALONE`): their workers busy-wait on
 #   each other, and a process beside them on two cores stalls both (seen in a full run: a TP=2
-#   server's two workers at 100% each while the other worker's in-process engine got 2%).
+#   server's two workers at 100% each while the other worker's in-process engine got 2%), and
+#   the module whose rollouts must still be decoding when a commit lands (beside another
+#   module's engine, a server's API process got the CPU to stream a rollout's first token only
+#   once its engine core had generated all 160: no rollout crossed the write).
 
 #: Modules that must not run beside each other: one unit of work, in this order.
 SERIAL = {"ray": ("test_ray_vllm.py", "test_recipes_ray.py")}
@@ -85,7 +88,12 @@ LONGEST = (
 
 #: Modules that run with no other module beside them (a lock every worker takes: shared for
 #: the others, exclusive for these; see `pytest_runtest_protocol`).
-ALONE = ("test_server_vllm.py", "test_multiproc_vllm.py", "test_weight_transfer_vllm.py")
+ALONE = (
+    "test_server_vllm.py",
+    "test_multiproc_vllm.py",
+    "test_weight_transfer_vllm.py",
+    "test_async_rl_server_vllm.py",
+)
 
 
 def _unit(nodeid: str) -> str:
@@ -151,6 +159,65 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False
     return ByUnit(config, log)
+
+
+# --- /dev/shm: what the run leaves behind is a leak ----------------------------------------------
+#
+# A segment nobody maps once the run has ended (a vLLM ring buffer, a semaphore, a bucket) stays
+# in RAM until the machine reboots. Every test appends the entries that appeared while it ran to
+# a log shared by the workers (with two workers, both running tests are named: either may have
+# made it); at the run's end, entries new since its start that no process maps are reported with
+# those names, removed, and fail the run.
+
+_SHM = Path("/dev/shm")
+_SHM_LOG = "WEIGHTSYNC_TESTS_SHM_LOG"
+_shm_start = pytest.StashKey[set]()
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir(_SHM)) if _SHM.is_dir() else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # The controller, or the only process; not a worker, nor a session a test nests in this one.
+    if not hasattr(session.config, "workerinput") and _SHM_LOG not in os.environ:
+        session.config.stash[_shm_start] = _shm_entries()
+        fd, log = tempfile.mkstemp(prefix="weightsync-tests-shm-", suffix=".log")
+        os.close(fd)
+        os.environ[_SHM_LOG] = log  # the workers, started after this, inherit it
+
+
+@pytest.fixture(autouse=True)
+def _shm_made_during(request):
+    before = _shm_entries()
+    yield
+    made = _shm_entries() - before
+    if made and os.environ.get(_SHM_LOG):
+        with open(os.environ[_SHM_LOG], "a") as log:
+            log.writelines(f"{name}\t{request.node.nodeid}\n" for name in sorted(made))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _shm_start not in session.config.stash:
+        return
+    from benchmarks.processes import left_behind, shm_mapped
+
+    log = Path(os.environ.pop(_SHM_LOG))
+    new = _shm_entries() - session.config.stash[_shm_start]
+    mapped = shm_mapped(int(pid) for pid in os.listdir("/proc") if pid.isdigit())
+    left = left_behind(new - mapped)  # after the owners' own late unlink; removed
+    made_by: dict[str, set[str]] = {}
+    for line in log.read_text().splitlines():
+        name, _, test = line.partition("\t")
+        made_by.setdefault(name, set()).add(test)
+    log.unlink()
+    if left:
+        lines = [f"  {n} (appeared during {sorted(made_by.get(n, {'?'}))})" for n in left]
+        report = session.config.pluginmanager.get_plugin("terminalreporter")
+        report.write_sep("-", "the run left /dev/shm entries nobody maps (removed now)", red=True)
+        for line in lines:
+            report.write_line(line, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def recover(engine: Engine) -> list[str]:

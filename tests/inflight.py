@@ -137,12 +137,14 @@ def across(
     return done
 
 
-def check(rollout: Rollout, models: Mapping[tuple[str, int | None], Any]) -> list[WeightsSpan]:
-    """Each span of ``rollout`` (`TOKENS` tokens) is what the trainer's model of its (base,
+def check(
+    rollout: Rollout, models: Mapping[tuple[str, int | None], Any], tokens: int = TOKENS
+) -> list[WeightsSpan]:
+    """Each span of ``rollout`` (``tokens`` tokens) is what the trainer's model of its (base,
     adapter) version generates from the span's prefix; returns the spans."""
     spans = rollout.spans
     generated = rollout.tokens
-    assert spans and spans[0].start == 0 and spans[-1].end == len(generated) == TOKENS, spans
+    assert spans and spans[0].start == 0 and spans[-1].end == len(generated) == tokens, spans
     for span in spans:
         model = models[(span.base, span.adapter)]
         prefix = rollout.prompt + generated[: span.start]

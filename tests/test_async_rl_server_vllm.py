@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import ATOL, full_model, lora_model
-from inflight import PROMPTS, TOKENS, Rollout, across, check
+from inflight import PROMPTS, Rollout, across, check
 
 from benchmarks.processes import VLLMServer, serving
 from weightsync import AdapterSync, FullSync
@@ -52,6 +52,15 @@ def engine(server) -> Iterator[VLLMServerEngine]:
     made = VLLMServerEngine(server.url, adapter_versions=2)
     yield made
     made.close()
+
+
+#: Tokens each streamed rollout generates. The commit is one call the server runs itself, a few
+#: milliseconds for the tiny model, so it lands inside a rollout only while that rollout is still
+#: decoding: with `inflight.TOKENS` (40) a busy CI machine streamed all three attempts' rollouts
+#: to their end before the commit (CI of ecde7d8). Idle, 160 take about 0.7 s and the commit
+#: lands near the tenth. The module also runs alone (tests/conftest.py, `ALONE`).
+#: The server's ``--max-model-len`` (256) bounds prompt (72) plus these.
+TOKENS = 160
 
 
 class Streams:
@@ -157,7 +166,7 @@ def test_labels_across_a_dense_write(engine):
         new = label(engine)
         assert new not in models
         models[(new, None)] = dense
-        spans = [check(out, models) for out in outs]
+        spans = [check(out, models, TOKENS) for out in outs]
         assert all(s[0].base == base for s in spans[:2]), spans  # admitted on the old weights
         assert all(s.base == new for one in spans[2:] for s in one), spans  # during and after
         base = new
@@ -190,7 +199,7 @@ def test_labels_across_an_adapter_swap(engine):
         assert new == old + 1 and list(engine.resident_adapters) == [old, new]
         assert label(engine) == base  # an adapter swap leaves the base label
         models[(base, new)] = copy.deepcopy(model)
-        spans = [check(out, models) for out in outs]
+        spans = [check(out, models, TOKENS) for out in outs]
         # Admitted under the old version: on it to the end, though the new one was loaded
         # meanwhile; admitted after: the new one.
         assert [s[0].adapter for s in spans] == [old, old, old, new], spans
