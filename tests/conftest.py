@@ -163,8 +163,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 # --- /dev/shm: what the run leaves behind is a leak ----------------------------------------------
 #
-# A segment nobody maps once the run has ended (a vLLM ring buffer, a semaphore, a bucket) stays
-# in RAM until the machine reboots. Every test appends the entries that appeared while it ran to
+# A segment nobody maps once the run has ended (a vLLM ring buffer, a semaphore), or a folder of
+# weightsync's whose process is gone, stays in RAM until the machine reboots. Every test appends the entries that appeared while it ran to
 # a log shared by the workers (with two workers, both running tests are named: either may have
 # made it); at the run's end, entries new since its start that no process maps are reported with
 # those names, removed, and fail the run.
@@ -197,26 +197,45 @@ def _shm_made_during(request):
             log.writelines(f"{name}\t{request.node.nodeid}\n" for name in sorted(made))
 
 
+def _owned_by_another_live_process(name: str) -> bool:
+    """A ``weightsync-<pid>-*`` folder of a live process other than this one (a folder is not
+    mapped: its owner's PID says whether it is in use; another test run's, for example)."""
+    owner = name.split("-")[1] if name.startswith("weightsync-") else ""
+    return owner.isdigit() and int(owner) != os.getpid() and psutil.pid_exists(int(owner))
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _shm_start not in session.config.stash:
         return
-    from benchmarks.processes import left_behind, shm_mapped
+    import time
+
+    from benchmarks.processes import shm_mapped
 
     log = Path(os.environ.pop(_SHM_LOG))
-    new = _shm_entries() - session.config.stash[_shm_start]
-    mapped = shm_mapped(int(pid) for pid in os.listdir("/proc") if pid.isdigit())
-    left = left_behind(new - mapped)  # after the owners' own late unlink; removed
     made_by: dict[str, set[str]] = {}
     for line in log.read_text().splitlines():
         name, _, test = line.partition("\t")
         made_by.setdefault(name, set()).add(test)
     log.unlink()
+    new = _shm_entries() - session.config.stash[_shm_start]
+    deadline = time.monotonic() + stretched(5)  # an owner's own late unlink (`left_behind`)
+    while True:
+        mapped = shm_mapped(int(pid) for pid in os.listdir("/proc") if pid.isdigit())
+        left = {n for n in new & _shm_entries() if n not in mapped}
+        left = {n for n in left if not _owned_by_another_live_process(n)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     if left:
-        lines = [f"  {n} (appeared during {sorted(made_by.get(n, {'?'}))})" for n in left]
         report = session.config.pluginmanager.get_plugin("terminalreporter")
-        report.write_sep("-", "the run left /dev/shm entries nobody maps (removed now)", red=True)
-        for line in lines:
-            report.write_line(line, red=True)
+        report.write_sep("-", "the run left /dev/shm entries nobody uses (removed now)", red=True)
+        for name in sorted(left):
+            report.write_line(f"  {name} (appeared during {sorted(made_by.get(name, {'?'}))})")
+            path = _SHM / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
