@@ -126,6 +126,8 @@ class VLLMServer:
             reserves cores and would bind them all to one).
         extension: load weightsync's worker extension and its pause lease (``server_lease.py``,
             ``WEIGHTSYNC_PAUSE_LEASE_S`` in ``env``); False: a stock server.
+        lease: with the extension, load the pause lease too; False: the extension alone (a
+            trainer then commits one call a step, and nothing resumes a pause it leaves).
         dtype: ``--dtype``.
         max_model_len: ``--max-model-len`` (the tiny models allow up to 512).
         args: further command-line arguments (``--enable-lora``, ``--weight-transfer-config``).
@@ -142,6 +144,7 @@ class VLLMServer:
         *,
         tp: int = 1,
         extension: bool = True,
+        lease: bool = True,
         dtype: str = "float32",
         max_model_len: int = 256,
         args: Sequence[str] = (),
@@ -178,7 +181,7 @@ class VLLMServer:
             "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
             "--shutdown-timeout", str(self.shutdown_timeout_s),
             *(["--worker-extension-cls", WORKER_EXTENSION] if extension else []),
-            *(["--middleware", LEASE_MIDDLEWARE] if extension else []),
+            *(["--middleware", LEASE_MIDDLEWARE] if extension and lease else []),
             *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(

@@ -6,9 +6,14 @@ One TP=1 server on a tied model (Qwen2), the case vLLM's own reload gets wrong: 
 ``lm_head`` apart from ``embed_tokens``, so a tied checkpoint reloaded as it is (the tensor
 stored once) leaves the head stale. Every sync is checked to change what the server generates,
 then to make it generate exactly the trainer's greedy tokens (float32 logprobs within 1e-3).
+
+Beside it, started with it, a server halfway: weightsync's worker extension without its pause
+lease middleware, the last test's.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import StockServerEngine, VLLMServerEngine
+from weightsync.engines.vllm.control import LEASE_MIDDLEWARE
 from weightsync.errors import EngineBrokenError
 from weightsync.wire import format as fmt
 
@@ -42,10 +48,17 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "stock.log"
-    with serving(VLLMServer(checkpoint, log, extension=False, args=LORA_ARGS)) as (s,):
-        yield s
+def servers(checkpoint, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    stock = VLLMServer(checkpoint, logs / "stock.log", extension=False, args=LORA_ARGS)
+    unleased = VLLMServer(checkpoint, logs / "unleased.log", lease=False)
+    with serving(stock, unleased) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +227,21 @@ def test_failed_reload_leaves_the_server_paused(engine, server):
     with pytest.raises(EngineBrokenError, match="left paused"):
         engine.load_weights(stream)
     assert server.alive(), server.tail()
+
+
+# --- the extension without the pause lease ----------------------------------------------------
+
+
+def test_without_the_lease_the_commit_runs_from_the_trainer_with_a_warning(servers, caplog):
+    """A server with weightsync's extension but not its ``PauseLease`` middleware has no
+    commit route (HTTP 404): the trainer runs the commit's steps one call each, which a trainer
+    killed inside them leaves paused (docs/fail-closed.md). The syncs are still exact, and the
+    first one says so once, naming the middleware to add."""
+    engine = VLLMServerEngine(servers[1].url, transport="tmpfs")
+    with closed_leaving_nothing([engine]):
+        with caplog.at_level(logging.WARNING, logger="weightsync.engines.vllm.control"):
+            for seed in (40, 41):
+                model = full_model(ARCH, seed=seed)
+                sync_and_check(FullSync(), model, engine)
+        warned = [r.getMessage() for r in caplog.records if "has no pause lease" in r.getMessage()]
+        assert len(warned) == 1 and LEASE_MIDDLEWARE in warned[0], warned

@@ -11,6 +11,7 @@ and the multiprocess engine use, made on vLLM's ``LLMEngine``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -31,6 +32,8 @@ from ...wire.protocol import LoraLimits, Outcome, raise_failures
 from ..base import Attestation
 from .server_auth import COMMIT_PATH, FENCED_HEADER, LEASE_HEADER
 from .server_auth import HEADER as TOKEN_HEADER
+
+logger = logging.getLogger(__name__)
 
 #: What to pass as ``--worker-extension-cls`` / ``LLM(worker_extension_cls=...)``.
 WORKER_EXTENSION = "weightsync.engines.vllm.worker.WeightsyncWorker"
@@ -707,13 +710,21 @@ class HTTPControl(Control):
         server pauses, runs the steps, reads the version, resets and resumes by itself
         (``server_lease.py``), so a trainer killed during the call does not leave it paused.
         A server without that route (404: no middleware, a stock server) gets the steps one
-        call each (`run_commit` here), as before."""
+        call each (`run_commit` here), and a warning once: nothing resumes it if this process
+        dies inside them (docs/fail-closed.md)."""
         if self.commits is not False:
             r = self._session_post(COMMIT_PATH, commit.to_json())
             if r is not None:
                 self.commits, self.lease = True, None  # resumed: a pause held here ended too
                 return Committed.from_json(r)
             self.commits = False
+            logger.warning(
+                "weightsync: %s has no pause lease, so each sync's commit pauses it from here, "
+                "one call a step, and a trainer killed inside those calls leaves it paused. "
+                "Start it with --middleware %s.",
+                self.base_url,
+                LEASE_MIDDLEWARE,
+            )
         return run_commit(self, commit)
 
     def _session_post(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
