@@ -167,7 +167,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # weightsync's whose process is gone, stays in RAM until the machine reboots. Every test appends the entries that appeared while it ran to
 # a log shared by the workers (with two workers, both running tests are named: either may have
 # made it); at the run's end, entries new since its start that no process maps are reported with
-# those names, removed, and fail the run.
+# those names, removed, and fail the run. With another test run alive on the machine nothing is
+# judged (its entries look like this run's, and a semaphore it reopens by name must stay).
 
 _SHM = Path("/dev/shm")
 _SHM_LOG = "WEIGHTSYNC_TESTS_SHM_LOG"
@@ -204,6 +205,16 @@ def _owned_by_another_live_process(name: str) -> bool:
     return owner.isdigit() and int(owner) != os.getpid() and psutil.pid_exists(int(owner))
 
 
+def _other_test_runs() -> list[int]:
+    """PIDs of pytest processes outside this run's own line (its ancestors, itself)."""
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["pid"] not in mine and "pytest" in " ".join(p.info["cmdline"] or ()):
+            found.append(p.info["pid"])
+    return found
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _shm_start not in session.config.stash:
         return
@@ -217,6 +228,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         name, _, test = line.partition("\t")
         made_by.setdefault(name, set()).add(test)
     log.unlink()
+    others = _other_test_runs()
+    if others:  # their entries cannot be told from this run's: nothing is judged or removed
+        report = session.config.pluginmanager.get_plugin("terminalreporter")
+        report.write_line(f"/dev/shm not checked: other test runs are alive (PIDs {others})")
+        return
     new = _shm_entries() - session.config.stash[_shm_start]
     deadline = time.monotonic() + stretched(5)  # an owner's own late unlink (`left_behind`)
     while True:
