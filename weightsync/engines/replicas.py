@@ -8,6 +8,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from ..errors import ReplicasSplitError, WeightSyncError, untouched
 from ..plan import Adapter, Bucket
 from .base import CHECKPOINT, Attestation, Engine, EngineFacts, adapt
@@ -87,13 +89,23 @@ class Replicas(Engine):
     @property
     def facts(self) -> EngineFacts:
         """Replica 0's facts (every replica's agree on what a plan is checked against), except
-        that layers are skipped only if every replica keeps unsent layers, and an epoch is
-        attested only if every replica attests one."""
+        that layers are skipped only if every replica keeps unsent layers, an epoch is
+        attested only if every replica attests one, and a weight any replica holds in a wider
+        dtype (`EngineFacts.held`: a float32 router) travels in that one: a replica that holds
+        it narrower rounds it as it would round its checkpoint's, where sent narrower the other
+        would hold it rounded (a fleet mixing an older extension, or a stock server, that does
+        not report it)."""
         each = [e.facts for e in self.engines]
+        held: dict[str, torch.dtype] = {}
+        for f in each:
+            for name, dtype in f.held.items():
+                wide = getattr(torch, dtype)
+                held[name] = torch.promote_types(held.get(name, wide), wide)
         return dataclasses.replace(
             each[0],
             keeps_unsent_layers=all(f.keeps_unsent_layers for f in each),
             attests=all(f.attests for f in each),
+            held={name: str(d).removeprefix("torch.") for name, d in held.items()},
         )
 
     def load_weights(self, buckets: Iterable[Bucket]) -> int:

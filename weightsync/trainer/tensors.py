@@ -219,6 +219,11 @@ def _walk(module: nn.Module, prefix: str, merge: bool, out: list[Weight]) -> Non
                     )
                 )
         out += [_buffer(prefix + bname, b) for bname, b in _persistent_buffers(base)]
+        # The base's own children are weights too: LoRA on a router's parameter (peft
+        # target_parameters) wraps the router, whose ``moe_statics`` child holds Ernie 4.5 MoE's
+        # correction bias.
+        for cname, child in base.named_children():
+            _walk(child, f"{prefix}{cname}.", merge, out)
         return
     for pname, p in module.named_parameters(recurse=False):
         _require_floating(prefix + pname, p)
