@@ -255,8 +255,8 @@ def _computed_differently(
     Raises:
         UnprovenEngineError: the two differ (a layout fault), the engine is float32, the
             comparison cannot run (a PEFT model, whose checkpoint would be its adapter; a
-            quantized engine; no ``rewrite``; the engine cannot read a folder on this host).
-            The base stays marked lost.
+            quantized engine; no ``rewrite``) or fails (the engine refused the checkpoint's
+            tensors). The base stays marked lost.
         Exception: whatever ``rewrite`` raises (the base is then unsynced, as after any failed
             write).
     """
@@ -295,7 +295,7 @@ def _computed_differently(
     try:
         mean, largest = own_load_gap(model, engine)
     except Exception as err:
-        engine.mark_lost()  # a reload that failed part-way holds a mix
+        engine.mark_lost()  # a load that failed part-way leaves a mix
         raise unproven_error(
             "Comparing with vLLM's own load of the trainer's checkpoint failed "
             f"({type(err).__name__}: {err}).",
