@@ -7,7 +7,9 @@ wrap it in `VLLMEngine` (which reads the engine's contract), sleep at level 2 (t
 simulated: vLLM's CPU sleep keeps the weights), FullSync the checkpoint's own weights and compare
 with the fresh engine (what vLLM itself loaded), then FullSync the perturbed trainer's model and
 compare greedy tokens and logprobs with transformers again; then the first-sync canary
-(`weightsync.verify.check_engine`) on the synced engine. ``--dtype bfloat16`` runs it all in
+(`weightsync.verify.check_engine`) on the synced engine; then a user's first sync on a fresh
+engine record, as it runs by default (`first_sync`: the canary, and on a half-precision engine
+the comparison with vLLM's own load), honest and with one weight forged. ``--dtype bfloat16`` runs it all in
 bfloat16, the trainer loaded as transformers loads a bfloat16 model (``from_pretrained``, which
 keeps some modules in float32: ``_keep_in_fp32_modules``) and trained a step before it is
 saved, the engine in bfloat16; there the
@@ -282,12 +284,65 @@ def survey_one(model_type: str, folder: str, dtype: str = "float32") -> dict[str
             result["canary"] = _short(err)
         except Exception as err:  # noqa: BLE001 (the trainer's forward, broken by vLLM here)
             result["canary"] = f"trainer forward fails in vLLM's process: {_short(err)}"
+        stage = "first sync"
+        result.update(first_sync(model, llm))
         stage = "done"
     except Exception as err:  # noqa: BLE001 (the survey records what stopped an architecture)
         result["error"] = _short(err)
         result["trace"] = traceback.format_exc()[-2000:]
     result["stage"] = stage
     return result
+
+
+def first_sync(model: Any, llm: Any) -> dict[str, Any]:
+    """What a user's first sync gives (`weightsync.proven.check_after_sync`, default
+    ``verify``), on a fresh engine record: ``first_sync`` its outcome, ``first_sync_s`` its
+    seconds against ``sync_s`` (the same FullSync unverified); then with layer 0's first
+    2-D weight sent with its rows reversed (a forged send, names and shapes right):
+    ``forged`` its outcome -- it must raise."""
+    from weightsync import FullSync, Syncer
+    from weightsync.engines import VLLMEngine
+    from weightsync.errors import WeightSyncError
+
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    FullSync().sync(model, VLLMEngine(llm), verify=False)
+    out["sync_s"] = round(time.perf_counter() - t0, 2)
+    for kind in ("first_sync", "forged"):
+        engine = VLLMEngine(llm)
+        if kind == "forged":
+            name = next(
+                n
+                for n, shape in engine.expected_weights.items()
+                if ".layers.0." in n and len(shape) == 2 and shape[0] > 1
+            )
+            honest = engine.load_weights
+
+            def forged(
+                buckets: Any, name: str = name, engine: Any = engine, honest: Any = honest
+            ) -> int:
+                del engine.load_weights  # one write only
+                return honest(
+                    [(n, t.flip(0) if n == name else t) for n, t in bucket] for bucket in buckets
+                )
+
+            engine.load_weights = forged
+        t0 = time.perf_counter()
+        try:
+            report = Syncer(engine, train_type="full").sync(model)
+            diff = report.verified_logprob_diff
+            out[kind] = "not verified" if diff is None else f"passed (mean diff {diff:.2g})"
+        except WeightSyncError as err:
+            text, own = str(err), "scores the canary differently from weightsync's sync "
+            out[kind] = (
+                f"{type(err).__name__}, vLLM's own load differs {text.split(own)[1].split(':')[0]}"
+                if own in text
+                else _short(err)
+            )
+        except Exception as err:  # noqa: BLE001 (the trainer's forward, broken by vLLM here)
+            out[kind] = f"trainer forward fails in vLLM's process: {_short(err)}"
+        out[f"{kind}_s"] = round(time.perf_counter() - t0, 2)
+    return out
 
 
 def run(model_type: str, timeout: float, dtype: str = "float32") -> dict[str, Any]:
@@ -359,8 +414,9 @@ def held_cell(held: dict[str, str] | None) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| architecture | kind | starts | fresh engine = transformers | after level-2 + FullSync "
-        "| canary (first-sync verification) | held in another dtype |",
-        "|---|---|---|---|---|---|---|",
+        "| canary (first-sync verification) | held in another dtype | first sync (default "
+        "check), s (unverified sync s) | a forged send (one weight's rows reversed) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         starts = {"build": "-", "start": "no", "timeout": "?", "crashed": "?"}.get(
@@ -371,8 +427,14 @@ def table(results: list[dict[str, Any]]) -> str:
         if canary == "passed":
             canary = f"passed (mean diff {r['canary_mean_diff']:.1e})"
         held = held_cell(r.get("held"))
+        first = (
+            f"{r['first_sync']}, {r['first_sync_s']} s ({r['sync_s']} s)"
+            if "first_sync" in r
+            else "-"
+        )
         rows.append(
-            f"| {r['arch']} | {r['kind']} | {starts} | {fresh} | {verdict(r)} | {canary} | {held} |"
+            f"| {r['arch']} | {r['kind']} | {starts} | {fresh} | {verdict(r)} | {canary} | {held} "
+            f"| {first} | {r.get('forged', '-')} |"
         )
     return "\n".join(rows)
 

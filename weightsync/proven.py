@@ -13,6 +13,9 @@ into a real vLLM engine and checks it generates exactly what the trainer generat
 its first completed sync is verified by default (`weightsync.verify.check_engine`, the canary
 ``verify=True`` runs), once per engine record: a mismatch raises `UnprovenEngineError`, naming
 the architecture, and the engine's base is marked lost (the next sync restores every weight).
+On a half-precision engine a failed canary is first compared with vLLM's own load of the same
+weights (`check_after_sync`): vLLM's kernels may compute an architecture farther from
+transformers' than the dtype's tolerance although the sync is exact (bfloat16 hybrids).
 ``verify=False`` (on `Syncer`, or a strategy's ``sync``) opts out explicitly; ``verify=True``
 verifies every sync. docs/failure-modes.md lists what each architecture gave on vLLM-CPU.
 
@@ -23,7 +26,10 @@ counts as proven when both its MoE architecture and its quantization are.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import torch
 
 from .errors import (
     EngineAsleepError,
@@ -141,6 +147,7 @@ def check_after_sync(
     verify: bool | None,
     strategy: str,
     step: int | None = None,
+    rewrite: Callable[[], object] | None = None,
 ) -> float | None:
     """After a completed sync: verify it as ``verify`` asks; the mean canary difference, or
     None when nothing was checked.
@@ -152,9 +159,16 @@ def check_after_sync(
     tolerance was measured for, a trainer forward vLLM broke in its process) is logged, not
     retried.
 
+    A first-sync canary that fails on a half-precision engine is put to vLLM's own load of the
+    trainer's checkpoint (`_computed_differently`): if weightsync's sync scores as that load
+    does, the layout is right, the difference is vLLM's arithmetic for this architecture (logged,
+    returned), and ``rewrite`` (the same sync, planned and written again) leaves the engine
+    holding weightsync's write.
+
     Raises:
         UnprovenEngineError: (``None``) the first sync of an unproven engine does not
-            reproduce the trainer; the base is marked lost.
+            reproduce the trainer, and (half precision) does not score as vLLM's own load of
+            the trainer's checkpoint either; the base is marked lost.
         VerificationError: (``True``) as `check_engine`.
     """
     from .verify import check_engine, tolerance_for
@@ -186,15 +200,7 @@ def check_after_sync(
         )
         return None
     except VerificationError as err:
-        raise UnprovenEngineError(
-            f"{engine.facts.architecture}: weightsync has not proven this engine exact ({why}), "
-            f"so its first sync was verified, and the engine does not serve the trainer's "
-            f"weights: {err} The base is marked lost: the next sync restores every weight. "
-            "The layout weightsync sends may not be the one this vLLM loads for this "
-            "architecture; please report it (docs/failure-modes.md). Nothing is skipped until "
-            "a sync passes.",
-            architecture=engine.facts.architecture,
-        ) from err
+        diff = _computed_differently(model, engine, err, why=why, rewrite=rewrite)
     except (AttributeError, AssertionError) as err:
         # The trainer's forward, broken in vLLM's process: vLLM's Transformers modeling backend
         # decorates transformers' own decoder class in place, so a model built before the
@@ -212,3 +218,110 @@ def check_after_sync(
         return None
     engine.first_sync_checked = True
     return diff
+
+
+#: Engine dtypes whose kernels may round differently from transformers' by more than the
+#: canary's tolerance on an exact sync (bfloat16 hybrids: docs/failure-modes.md): there a
+#: failed first-sync canary is put to vLLM's own load of the same weights (`_computed_differently`).
+#: In float32 every architecture vLLM computes as transformers does agrees to ~1e-6, so a failed
+#: canary there is a real difference and raises.
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _computed_differently(
+    model: nn.Module,
+    engine: Engine,
+    failed: VerificationError,
+    *,
+    why: str,
+    rewrite: Callable[[], object] | None,
+) -> float:
+    """The first-sync canary of an unproven engine failed (``failed``; the base is marked lost):
+    tell "vLLM computes this architecture differently from transformers in this dtype" from
+    "weightsync's sync wrote a wrong layout", where the engine's dtype allows the first.
+
+    The engine's canary scores after weightsync's sync are compared with its scores after vLLM's
+    own load of the trainer's checkpoint (`weightsync.verify.own_load_gap`). Within
+    `weightsync.verify.SAME_WEIGHTS`, weightsync wrote what vLLM itself loads: ``rewrite`` writes
+    the sync again (so the engine holds, and its record and version name, weightsync's write),
+    the trainer gap is logged as the architecture's difference in this dtype, and returned.
+
+    What this cannot see: a fault transformers' checkpoint format shares with weightsync's
+    stream (both come from the model's conversion rules), or a vLLM model computing another
+    function than transformers (vLLM-CPU's Ernie router ignoring its bias) -- a fresh engine on
+    the trainer's checkpoint serves the same, and in half precision that is not told from
+    rounding. Both still raise in float32.
+
+    Raises:
+        UnprovenEngineError: the two differ (a layout fault), the engine is float32, the
+            comparison cannot run (a PEFT model, whose checkpoint would be its adapter; a
+            quantized engine; no ``rewrite``) or fails (the engine refused the checkpoint's
+            tensors). The base stays marked lost.
+        Exception: whatever ``rewrite`` raises (the base is then unsynced, as after any failed
+            write).
+    """
+    from .trainer.tensors import is_peft
+    from .verify import SAME_WEIGHTS, own_load_gap
+
+    arch = engine.facts.architecture
+
+    def unproven_error(finding: str, cause: BaseException = failed) -> UnprovenEngineError:
+        error = UnprovenEngineError(
+            f"{arch}: weightsync has not proven this engine exact ({why}), so its first sync "
+            f"was verified, and the engine does not serve the trainer's weights: {failed} "
+            f"{finding} The base is marked lost: the next sync restores every weight. Nothing "
+            "is skipped until a sync passes; please report it (docs/failure-modes.md).",
+            architecture=arch,
+        )
+        error.__cause__ = cause
+        return error
+
+    q = engine.facts.quantized
+    if engine.dtype not in HALF:
+        cannot = "the engine is float32, where kernels agree with transformers to ~1e-6"
+    elif is_peft(model):
+        cannot = "the trainer is a PEFT model, whose save_pretrained writes its adapter only"
+    elif q is not None and (q.method != "none" or q.kv_cache != "auto"):
+        cannot = "the engine is quantized"
+    elif rewrite is None:
+        cannot = "the caller gave no way to write the sync again"
+    else:
+        cannot = ""
+    if cannot or rewrite is None:
+        raise unproven_error(
+            "The layout weightsync sends may not be the one this vLLM loads for this "
+            f"architecture (not compared with vLLM's own load: {cannot})."
+        )
+    try:
+        mean, largest = own_load_gap(model, engine)
+    except Exception as err:
+        engine.mark_lost()  # a load that failed part-way leaves a mix
+        raise unproven_error(
+            "Comparing with vLLM's own load of the trainer's checkpoint failed "
+            f"({type(err).__name__}: {err}).",
+            err,
+        ) from err
+    if not (mean <= SAME_WEIGHTS.mean and largest <= SAME_WEIGHTS.max):  # NaN fails too
+        engine.mark_lost()  # it holds vLLM's own load now, not a completed weightsync sync
+        raise unproven_error(
+            "vLLM's own load of the trainer's checkpoint (save_pretrained) into this engine "
+            f"scores the canary differently from weightsync's sync (by {mean:.3g} on average, up "
+            f"to {largest:.3g}; tolerance {SAME_WEIGHTS.mean:g} and {SAME_WEIGHTS.max:g}): the "
+            "layout weightsync sends is not the one this vLLM loads for this architecture."
+        )
+    rewrite()
+    logger.warning(
+        "weightsync: %s (%s) computes other logprobs than the trainer's in %s: %s; "
+        "weightsync's sync scores the canary as vLLM's own load of the trainer's checkpoint "
+        "does (by %.3g on average, up to %.3g), so its layout is right and the difference is "
+        "this vLLM's arithmetic for this architecture (a fresh engine on the trainer's "
+        "checkpoint serves the same). The first sync passes; the synced weights are written "
+        "again.",
+        arch,
+        why,
+        engine.dtype,
+        failed,
+        mean,
+        largest,
+    )
+    return failed.mean

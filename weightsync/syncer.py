@@ -150,17 +150,23 @@ class Syncer:
         start = time.perf_counter()
         strategy = self.choose(sleep_level)
         synced, self.base_sync_done = self.base_sync_done, False
-        plan = self._plan(strategy, model)[1]
+        chosen, plan = self._plan(strategy, model)
         try:
             report = execute(plan, self.engine, started=start)
         except BaseException as error:
             if errors.left_untouched(error):  # a failed stage: the engine holds what it held
                 self.base_sync_done = synced
             raise
-        report = dataclasses.replace(report, weights_version=synced_version(self.engine, report))
         diff = check_after_sync(
-            model, self.engine, verify=self.verify, strategy=plan.strategy, step=self.step
+            model,
+            self.engine,
+            verify=self.verify,
+            strategy=plan.strategy,
+            step=self.step,
+            rewrite=lambda: execute(chosen.plan(model, self.engine), self.engine),
         )
+        # after the check: a check that compared with vLLM's own load wrote the sync again
+        report = dataclasses.replace(report, weights_version=synced_version(self.engine, report))
         if diff is not None:
             report = dataclasses.replace(report, verified_logprob_diff=diff)
         self.base_sync_done = True

@@ -103,7 +103,13 @@ class Strategy(ABC):
         engine = adapt(engine)
         start = time.perf_counter()
         report = execute(self.plan(model, engine), engine, started=start)
-        diff = check_after_sync(model, engine, verify=verify, strategy=self.label)
+        diff = check_after_sync(
+            model,
+            engine,
+            verify=verify,
+            strategy=self.label,
+            rewrite=lambda: execute(self.plan(model, engine), engine),
+        )
         return report if diff is None else replace(report, verified_logprob_diff=diff)
 
     @abstractmethod
