@@ -164,11 +164,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # --- /dev/shm: what the run leaves behind is a leak ----------------------------------------------
 #
 # A segment nobody maps once the run has ended (a vLLM ring buffer, a semaphore), or a folder of
-# weightsync's whose process is gone, stays in RAM until the machine reboots. Every test appends the entries that appeared while it ran to
-# a log shared by the workers (with two workers, both running tests are named: either may have
-# made it); at the run's end, entries new since its start that no process maps are reported with
-# those names, removed, and fail the run. With another test run alive on the machine nothing is
-# judged (its entries look like this run's, and a semaphore it reopens by name must stay).
+# weightsync's whose process is gone, stays in RAM until the machine reboots. Every test appends
+# the entries that appeared while it ran to a log shared by the workers (with two workers, both
+# running tests are named: either may have made it); at the run's end, entries new since its
+# start that no process uses are reported with those names, removed, and fail the run. With
+# another test run alive on the machine nothing is judged (its entries look like this run's, and
+# a semaphore it reopens by name must stay).
 
 _SHM = Path("/dev/shm")
 _SHM_LOG = "WEIGHTSYNC_TESTS_SHM_LOG"
