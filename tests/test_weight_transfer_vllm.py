@@ -264,6 +264,26 @@ def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
     T.assert_matches(model, engine, atol=ATOL)
 
 
+def test_an_abandon_lets_the_stage_go(engines):
+    """A trainer that staged over gloo and died in its pause before the commit: the expired
+    lease's ``weightsync_abandon`` gives the update up, and each worker lets go of the staged
+    bytes then, not when the next trainer comes (a commit of them now finds nothing); the
+    server keeps the old weights and the next sync is exact."""
+    engine = engines(1, "gloo")
+    old, new = full_model(ARCH, seed=72), full_model(ARCH, seed=73)
+    FullSync().sync(old, engine)
+    serving = engine.greedy_batch(T.PROMPTS, 8)
+    staged = engine.stage_weights(one_per_bucket(new, engine))
+    try:
+        engine.rpc("weightsync_abandon", {})  # what the lease runs when it expires
+        with pytest.raises(RuntimeError, match="nothing is staged"):
+            staged.apply()
+    finally:
+        staged.drop()
+    assert engine.greedy_batch(T.PROMPTS, 8) == serving
+    sync_and_check(FullSync(), new, engine)
+
+
 def test_a_load_failing_part_way_fences_the_server(servers):
     """A worker error while loading, after layers took their new weights (``stage=False``: the
     stream is loaded as it comes; a name the engine does not load reaches vLLM's loader after
