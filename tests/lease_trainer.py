@@ -1,4 +1,5 @@
-"""A trainer process for tests/test_pause_lease_vllm.py, SIGKILLed at one point of a sync.
+"""A trainer process SIGKILLed at one point of a sync, and the test side that runs it
+(tests/test_pause_lease_vllm.py, tests/test_weight_transfer_vllm.py).
 
 ``python tests/lease_trainer.py <server url> <checkpoint> <point>`` loads the checkpoint as the
 trainer's model and syncs it into the server (FullSync, tmpfs, kept files), killing itself
@@ -11,14 +12,20 @@ with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at 
   (``server_lease.py``'s commit route): the trainer sends it, watches ``/is_paused`` from
   another connection and is killed as soon as the server is paused (``INSIDE`` printed first;
   ``AFTER`` if the call ended before a pause was seen);
-- ``random-tmpfs:<seed>`` / ``random-gloo:<seed>``: at a random moment of the sync (seeded):
-  a second sync of the model the server already holds (the first connects) measures how long
-  one takes, ``d``; the
-  next sync, of the new model, is killed after a delay drawn from ``[0, 1.2 d)`` -- while
-  staging, inside the pause or, past the end, after the sync (then ``SYNCED`` is printed
-  first and the trainer waits for its kill).
+- ``loading-wt-files`` / ``loading-wt-gloo``: through vLLM's weight-transfer API, as the
+  ``update_weights`` call that loads the weights inside the trainer's pause was sent (the
+  server carries the call out; ``LOADING`` printed first);
+- ``random-<transport>:<seed>``: at a random moment of the sync (seeded), over ``tmpfs``,
+  ``gloo`` (weightsync's extension) or vLLM's weight-transfer API (``wt-files``, ``wt-gloo``,
+  staged): a second sync of the model the server already holds (the first connects) measures
+  how long one takes, ``d``; the next sync, of the new model, is killed after a delay drawn
+  from ``[0, 1.2 d)`` -- while staging, inside the pause or, past the end, after the sync
+  (then ``SYNCED`` is printed first and the trainer waits for its kill). ``AT <where>`` is
+  printed as it dies: ``staging`` (no pause asked yet), ``pause`` (from the pause, or the
+  commit call, to its end) or ``after``, with the HTTP call in flight or last answered.
 
 It prints ``PID <pid>`` first, so the test knows whose scratch folders to look for.
+`run` starts it and `answered` is the separate client the tests ask afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -35,21 +43,73 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from weightsync import FullSync
-from weightsync.engines import VLLMServerEngine
+from weightsync.engines import VLLMServerEngine, WeightTransferFiles, WeightTransferGloo
 from weightsync.engines.vllm.control import HTTPControl
+from weightsync.engines.vllm.server_auth import COMMIT_PATH
 from weightsync.engines.vllm.transports.gloo import GlooTransport
 from weightsync.engines.vllm.transports.tmpfs import TmpfsTransport
+from weightsync.errors import EngineFencedError
 from weightsync.wire import gloo
+
+#: The HTTP calls of the sync being killed, as they start and end (`traced`); None: not traced.
+CALLS: list[tuple[str, str]] | None = None
+
+
+def where() -> str:
+    """Where the killed sync is (`CALLS`): ``staging`` before a pause was asked (the
+    extension's commit call, or ``/pause``), ``pause`` until the commit call or ``/resume``
+    answered, ``after`` then; with the call in flight or the last one answered."""
+    calls = CALLS or []
+    paused = any(path in ("/pause", COMMIT_PATH) for _, path in calls)
+    ended = ("end", "/resume") in calls or ("end", COMMIT_PATH) in calls
+    at = "after" if ended else "pause" if paused else "staging"
+    if calls:
+        edge, path = calls[-1]
+        at += f" ({path} {'in flight' if edge == 'start' else 'answered'})"
+    return at
+
+
+def traced(session_request):
+    """``requests.Session.request`` noting every call of the traced sync in `CALLS` (vLLM's
+    weight-transfer client and weightsync's control both come through it)."""
+
+    def request(self, method, url, *args, **kwargs):
+        path = "/" + url.split("/", 3)[3].partition("?")[0] if url.count("/") >= 3 else url
+        if CALLS is not None:
+            CALLS.append(("start", path))
+        answer = session_request(self, method, url, *args, **kwargs)
+        if CALLS is not None:
+            CALLS.append(("end", path))
+        return answer
+
+    return request
 
 
 def die() -> None:
+    if CALLS is not None:
+        print(f"AT {where()}", flush=True)
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def transport_for(url: str, name: str):
+    """The transport named on the command line (`main`)."""
+    if name == "gloo":
+        return GlooTransport()
+    if name.startswith("wt-"):  # vLLM's weight-transfer API, through vLLM's own client
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+        carrier = WeightTransferFiles if name == "wt-files" else WeightTransferGloo
+        return carrier(HTTPVLLMWeightSyncClient(url))
+    if name != "tmpfs":
+        raise SystemExit(f"unknown transport {name!r}")
+    return "tmpfs"
+
+
 def killed_at_random(url: str, old: str, new: str, transport: str, seed: int) -> None:
+    global CALLS
     load = AutoModelForCausalLM.from_pretrained
-    engine = VLLMServerEngine(url, transport=GlooTransport() if transport == "gloo" else "tmpfs")
+    engine = VLLMServerEngine(url, transport=transport_for(url, transport))
     sync = FullSync(skip_unchanged=False)
     served = load(old, torch_dtype=torch.float32).eval()  # what the server holds: unchanged
     sync.sync(served, engine)  # connects the transport
@@ -59,6 +119,8 @@ def killed_at_random(url: str, old: str, new: str, transport: str, seed: int) ->
     model = load(new, torch_dtype=torch.float32).eval()
     delay = random.Random(seed).uniform(0.0, 1.2 * took)
     print(f"KILL after {delay:.3f} s of a {took:.3f} s sync", flush=True)
+    requests.Session.request = traced(requests.Session.request)
+    CALLS = []
     threading.Timer(delay, die).start()
     sync.sync(model, engine)
     print("SYNCED", flush=True)
@@ -87,6 +149,23 @@ def main(url: str, checkpoint: str, point: str, old: str = "") -> None:
             die()
 
         gloo.send_frame = streaming
+    elif point.startswith("loading-"):
+        session_request = requests.Session.request
+        paused: list[str] = []
+
+        def loading(self, method, url, *args, **kwargs):  # killed as the load is asked
+            if url.endswith("/pause"):
+                paused.append(url)
+            if paused and url.endswith("/update_weights"):
+                call = (self, method, url, *args)
+                threading.Thread(target=session_request, args=call, kwargs=kwargs).start()
+                time.sleep(0.05)  # the call reached the server, which loads
+                print("LOADING", flush=True)
+                die()
+            return session_request(self, method, url, *args, **kwargs)
+
+        requests.Session.request = loading
+        transport = transport_for(url, point.removeprefix("loading-"))
     elif point == "committing":
         post = HTTPControl._session_post
 
@@ -104,9 +183,49 @@ def main(url: str, checkpoint: str, point: str, old: str = "") -> None:
         HTTPControl._session_post = committing
     else:
         raise SystemExit(f"unknown point {point!r}")
-    transport = GlooTransport() if point == "streaming" else "tmpfs"
+    if not point.startswith("loading-"):
+        transport = GlooTransport() if point == "streaming" else "tmpfs"
     FullSync().sync(model, VLLMServerEngine(url, transport=transport))
     raise SystemExit(f"the sync ended without reaching {point!r}")
+
+
+# --- the test side --------------------------------------------------------------------------
+
+
+def kill_seeds() -> list[int]:
+    """The seeds of the random kills: ``WEIGHTSYNC_KILL_SEEDS=a-b`` (each ~10-20 s), one in CI."""
+    first, _, last = os.environ.get("WEIGHTSYNC_KILL_SEEDS", "1-1").partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def run(url: str, checkpoint: str, point: str, old: str = "") -> tuple[str, int]:
+    """This trainer, in a process of its own, until its SIGKILL: its stdout and PID.
+
+    Raises:
+        AssertionError: it ended otherwise (its output says why).
+    """
+    trainer = subprocess.run(
+        [sys.executable, __file__, url, checkpoint, point, *([old] if old else [])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    if trainer.returncode != -signal.SIGKILL:
+        raise AssertionError(f"the trainer was not killed: {trainer.stdout}{trainer.stderr}")
+    return trainer.stdout, int(trainer.stdout.split()[1])
+
+
+def answered(url: str, prompts: list[list[int]], bound_s: float) -> tuple[object, float]:
+    """A separate client's greedy tokens of ``prompts`` -- or ``"fenced"`` when the server
+    refuses to generate (its weights a mix, `EngineFencedError`) -- and how long it waited."""
+    client = HTTPControl(url, timeout_s=bound_s)
+    start = time.monotonic()
+    try:
+        tokens: object = [t for t, _ in client.generate(prompts, 8, None)]
+    except EngineFencedError:
+        tokens = "fenced"
+    return tokens, time.monotonic() - start
 
 
 if __name__ == "__main__":

@@ -17,19 +17,15 @@ server serves meanwhile.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from lease_trainer import answered, kill_seeds, run
 
 from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import VLLMServerEngine
-from weightsync.engines.vllm.control import HTTPControl
 from weightsync.engines.vllm.server_auth import TOKEN_ENV
 from weightsync.engines.vllm.server_lease import COMMIT_PATH, PauseLease
 from weightsync.errors import PauseExpiredError
@@ -38,7 +34,6 @@ LEASE_S = 3.0
 #: How long a client may wait for its answer once the trainer is dead: the lease, the
 #: middleware's tick, the recovery calls, and slack for a loaded 2-core machine.
 BOUND_S = LEASE_S + 30.0
-TRAINER = Path(__file__).with_name("lease_trainer.py")
 PROMPTS = T.PROMPTS[:2]
 
 pytestmark = pytest.mark.timeout(900)
@@ -59,21 +54,11 @@ def greedy(model) -> list[list[int]]:
     return [T.trainer_greedy(model, p, 8) for p in PROMPTS]
 
 
-def answered(url: str) -> tuple[list[list[int]], float]:
-    """A separate client's greedy tokens, and how long they took to come."""
-    client = HTTPControl(url, timeout_s=BOUND_S)
-    start = time.monotonic()
-    tokens = [t for t, _ in client.generate(PROMPTS, 8, None)]
-    return tokens, time.monotonic() - start
-
-
 #: Kills at a random moment (``random-<transport>:<seed>``); WEIGHTSYNC_KILL_SEEDS=a-b runs
 #: more of them (each ~10 s): `tests/lease_trainer.py` says how the moment is drawn.
-KILL_SEEDS = os.environ.get("WEIGHTSYNC_KILL_SEEDS", "1-1")
 RANDOM_KILLS = [
     (f"random-{transport}:{seed}", "either")
-    for a, b in [KILL_SEEDS.split("-")]
-    for seed in range(int(a), int(b) + 1)
+    for seed in kill_seeds()
     for transport in ("tmpfs", "gloo")
 ]
 
@@ -94,35 +79,27 @@ def test_a_trainer_killed_mid_sync_leaves_a_serving_server(server, point, serves
     first = VLLMServerEngine(server.url)
     FullSync().sync(old, first)
     first.close()
-    assert answered(server.url)[0] == greedy(old)
+    assert answered(server.url, PROMPTS, BOUND_S)[0] == greedy(old)
 
-    args = [server.url, T.save_checkpoint(new, tmp_path / "new"), point]
-    if serves == "either":  # the trainer first syncs the old weights again, to time a sync
-        args.append(T.save_checkpoint(old, tmp_path / "old"))
-    trainer = subprocess.run(
-        [sys.executable, str(TRAINER), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert trainer.returncode == -9, trainer.stdout + trainer.stderr
-    pid = int(trainer.stdout.split()[1])
+    new_folder = T.save_checkpoint(new, tmp_path / "new")
+    # "either": the trainer first syncs the old weights again, to time a sync
+    old_folder = T.save_checkpoint(old, tmp_path / "old") if serves == "either" else ""
+    said, pid = run(server.url, new_folder, point, old_folder)
 
-    tokens, waited = answered(server.url)
+    tokens, waited = answered(server.url, PROMPTS, BOUND_S)
     if serves == "either":  # never a mix: the old weights whole, or the new whole
-        print(f"{point}: {trainer.stdout.splitlines()[1:]}, answered in {waited:.1f} s")
+        print(f"{point}: {said.splitlines()[1:]}, answered in {waited:.1f} s")
         expected = [greedy(old), greedy(new)]
-        if "SYNCED" in trainer.stdout:
+        if "SYNCED" in said:
             expected = [greedy(new)]
-        assert tokens in expected, f"killed at {point}: {trainer.stdout}"
+        assert tokens in expected, f"killed at {point}: {said}"
     else:
         assert tokens == greedy(old if serves == "old" else new), f"killed at {point}"
     assert waited < BOUND_S
     if point in ("staging", "streaming"):  # never paused: answered at once
         assert waited < LEASE_S
     if point == "committing":  # the server finished the commit and resumed by itself, at once
-        assert "INSIDE" in trainer.stdout, trainer.stdout
+        assert "INSIDE" in said, said
         assert waited < LEASE_S, f"answered after {waited:.1f} s: the lease resumed it"
 
     honest = VLLMServerEngine(server.url)  # a new trainer: its scratch folder sweeps the dead's
@@ -143,7 +120,8 @@ def test_a_slow_trainer_learns_its_lease_ran_out(server):
         T.perturb(model, seed=44, scale=0.2)
         FullSync().sync(model, engine)
         engine.control.pause()
-        tokens, waited = answered(server.url)  # waits for the lease, then is served
+        # waits for the lease, then is served
+        tokens, waited = answered(server.url, PROMPTS, BOUND_S)
         assert tokens == greedy(model) and waited < BOUND_S
         with pytest.raises(PauseExpiredError, match=r"lease .* is over: it expired"):
             engine.control.reset_prefix_cache()

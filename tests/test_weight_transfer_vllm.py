@@ -10,7 +10,8 @@ the server generates, then to make it generate exactly the trainer's greedy toke
 logprobs within 1e-3). Commit or nothing (issue 31): a sync failing before its load (the
 trainer's error, a name the engine lacks, a bucket altered after it was tagged) leaves exactly
 the old tokens, and a load failing part-way fences the server (the middleware's 503) until a
-full sync.
+full sync; a trainer process SIGKILLed mid-sync (``tests/lease_trainer.py``) leaves the old
+weights, the new ones whole, or a fenced server, never a mix (the servers' pause lease: `LEASE_S`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -34,6 +36,7 @@ from conftest import (
     sparse_step,
     sync_and_check,
 )
+from lease_trainer import answered, kill_seeds, run
 
 from benchmarks import processes
 from benchmarks.processes import VLLMServer, serving
@@ -58,13 +61,18 @@ ARCH = "qwen2"  # tied embeddings: both names of the shared tensor must reach th
 TPS = (1, 2)
 INNERS = ("files", "gloo")
 
+#: The servers' pause lease: a trainer killed inside its pause (the weight-transfer API's load
+#: runs in a pause the trainer holds) leaves a server that resumes this long after its last call.
+LEASE_S = 3.0
+
 pytestmark = pytest.mark.timeout(900)
 
 
 def wt_server(checkpoint: str, log, tp: int = 1) -> VLLMServer:
     """A server running weightsync's weight-transfer backend (and weightsync's extension)."""
     args = ["--weight-transfer-config", '{"backend": "weightsync"}']
-    return VLLMServer(checkpoint, log, tp=tp, args=args)
+    env = {"WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S)}
+    return VLLMServer(checkpoint, log, tp=tp, args=args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +272,26 @@ def test_an_update_a_dead_trainer_left_open_is_closed(engines, servers):
     T.assert_matches(model, engine, atol=ATOL)
 
 
+def test_an_abandon_lets_the_stage_go(engines):
+    """A trainer that staged over gloo and died in its pause before the commit: the expired
+    lease's ``weightsync_abandon`` gives the update up, and each worker lets go of the staged
+    bytes then, not when the next trainer comes (a commit of them now finds nothing); the
+    server keeps the old weights and the next sync is exact."""
+    engine = engines(1, "gloo")
+    old, new = full_model(ARCH, seed=72), full_model(ARCH, seed=73)
+    FullSync().sync(old, engine)
+    serving = engine.greedy_batch(T.PROMPTS, 8)
+    staged = engine.stage_weights(one_per_bucket(new, engine))
+    try:
+        engine.rpc("weightsync_abandon", {})  # what the lease runs when it expires
+        with pytest.raises(RuntimeError, match="nothing is staged"):
+            staged.apply()
+    finally:
+        staged.drop()
+    assert engine.greedy_batch(T.PROMPTS, 8) == serving
+    sync_and_check(FullSync(), new, engine)
+
+
 def test_a_load_failing_part_way_fences_the_server(servers):
     """A worker error while loading, after layers took their new weights (``stage=False``: the
     stream is loaded as it comes; a name the engine does not load reaches vLLM's loader after
@@ -299,6 +327,65 @@ def test_a_load_failing_part_way_fences_the_server(servers):
         assert not engine.base_discarded
     finally:
         engine.close()
+
+
+#: Where the trainer is killed (`tests/lease_trainer.py`): at a random moment of a sync over
+#: each carrier (one seed each; more with WEIGHTSYNC_KILL_SEEDS=a-b), and as the load is asked.
+KILLS = [
+    *(f"random-wt-{inner}:{seed}" for seed in kill_seeds() for inner in INNERS),
+    *(f"loading-wt-{inner}" for inner in INNERS),
+]
+
+
+@pytest.mark.parametrize("point", KILLS)
+def test_a_trainer_killed_mid_sync_leaves_no_mix_served(servers, point, tmp_path):
+    """A trainer process SIGKILLed in a sync through the weight-transfer API: at a random
+    moment (staging, inside the pause that holds the load, or after) or as it asks for the load
+    (which the server carries out alone, with nobody left to finish the update): a separate
+    client then gets, within a bounded time, exactly the old weights' tokens, or the new
+    weights' where the load completed -- or, where the kill left the load part-way, the server
+    refuses every client (503, `EngineFencedError`) rather than serving a mix. The next honest
+    sync (from this process) is exact and lifts any fence, and nothing of the dead trainer
+    stays in /dev/shm. Its gloo group replaces the module's gloo engines' in the server's
+    backend (the deltas test, next, makes its own)."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    url = servers[1].url
+    inner = point.split(":")[0].rsplit("-", 1)[1]
+    seed = int(point.partition(":")[2] or 0)
+    old, new, newer = (full_model(ARCH, seed=110 + 3 * seed + i) for i in range(3))
+    prompts = T.PROMPTS[:2]
+    first = VLLMServerEngine(url, transport=WeightTransferFiles(HTTPVLLMWeightSyncClient(url)))
+    try:
+        FullSync().sync(old, first)
+    finally:
+        first.close()
+    expected = {
+        "old": [T.trainer_greedy(old, p, 8) for p in prompts],
+        "new": [T.trainer_greedy(new, p, 8) for p in prompts],
+    }
+    assert expected["old"] != expected["new"], "the new weights answer as the old: proves nothing"
+
+    old_folder = T.save_checkpoint(old, tmp_path / "old") if "random" in point else ""
+    said, pid = run(url, T.save_checkpoint(new, tmp_path / "new"), point, old_folder)
+    bound_s = LEASE_S + 30.0  # the lease, its tick, the recovery calls; slack for 2 loaded cores
+    tokens, waited = answered(url, prompts, bound_s)
+    served = next((k for k, v in expected.items() if v == tokens), tokens)
+    print(f"{point}: {said.splitlines()[1:]}: {served}, answered in {waited:.1f} s")
+    assert served in ("old", "new", "fenced"), f"a mix served after a kill: {said}"
+    assert served != "old" or "SYNCED" not in said, f"a completed sync not served: {said}"
+    assert waited < bound_s, f"answered after {waited:.1f} s"
+    if "AT staging" in said:  # never paused, nothing loaded: the old weights, at once
+        assert served == "old" and waited < LEASE_S, said
+
+    carrier = WeightTransferFiles if inner == "files" else WeightTransferGloo
+    honest = VLLMServerEngine(url, transport=carrier(HTTPVLLMWeightSyncClient(url)))
+    try:  # a new trainer: its scratch folders sweep the dead's, its update closes the dead's
+        FullSync().sync(newer, honest)
+        T.assert_matches(newer, honest, atol=ATOL)  # unfenced: it generates
+    finally:
+        honest.close()
+    assert not list(Path("/dev/shm").glob(f"weightsync-{pid}-*"))
 
 
 @pytest.mark.parametrize("tp", TPS, ids=[f"tp{tp}" for tp in TPS])

@@ -174,7 +174,7 @@ def _make_engine_class() -> type:
             self._new_round()
 
         def _new_round(self) -> None:
-            self._drop_stage()
+            self.drop_stage()
             self._error = ""  # the first failure of this update ("" = none)
             self._delta = ""  # the id a delta update leaves in `copies` once loaded
             self._buckets = 0  # buckets received in this update (gloo)
@@ -255,11 +255,11 @@ def _make_engine_class() -> type:
                     self._fail(e)
             if self._delta and self.copies is not None and not self._error:
                 self.copies.commit(self._delta, self._buckets)
-            self._drop_stage()
+            self.drop_stage()
             self._finished = True
 
         def shutdown(self) -> None:
-            self._drop_stage()
+            self.drop_stage()
             self._group = self._store = None
 
         # -- what the worker extension reads -------------------------------------------------
@@ -296,7 +296,7 @@ def _make_engine_class() -> type:
                         check_loadable(pairs, self.expected)
                     return
                 self._load(iter(pairs))
-                self._drop_stage()
+                self.drop_stage()
                 return
             if receiver is not None:
                 self._load(iter(receiver))
@@ -336,7 +336,7 @@ def _make_engine_class() -> type:
                 self.copies.clear()  # in doubt: the next update is sent whole
             if not self._error:
                 self._error = f"{type(error).__name__}: {error}"
-            self._drop_stage()
+            self.drop_stage()
             if not self._reloading:
                 return  # nothing was loaded: the old weights are whole
             self._written = sorted({*self._written, *finished_in(self.model)})
@@ -347,7 +347,8 @@ def _make_engine_class() -> type:
                 logger.exception("weightsync: restoring the unfinished layers failed")
                 self._error += f"; restoring the unfinished layers failed too ({e})"
 
-        def _drop_stage(self) -> None:
+        def drop_stage(self) -> None:
+            """Let go of what is staged (a commit of this update then finds nothing)."""
             if self._stage is not None:
                 self._stage.drop()
             self._stage = None

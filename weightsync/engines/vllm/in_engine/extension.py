@@ -348,10 +348,14 @@ class WeightsyncWorker:
         back. Safe to call when nothing is pending; the value says whether anything was, and
         which layers it had finished (``wire.protocol.RELOAD_REPORT``, which fences a server
         when any were), the layers failed loads of weightsync's weight-transfer backend
-        finished included when no report named them yet (their trainer died first)."""
+        finished included when no report named them yet (their trainer died first). The
+        backend's stage goes too: whoever abandons -- a pause lease that expired, a trainer's
+        recovery, a trainer closing an update another left open -- gives its update up, and the
+        bytes a dead trainer staged are let go now rather than at the next trainer's update."""
         try:
             report = model_ops.abandon(self)
             if (engine := self._weightsync_backend()) is not None:
+                engine.drop_stage()
                 written = report[RELOAD_REPORT]["written"]
                 written[:] = sorted({*written, *engine.take_written()})
             return self._weightsync_outcome(value=report)
