@@ -17,6 +17,7 @@ weights, the new ones whole, or a fenced server, never a mix (the servers' pause
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -330,10 +331,12 @@ def test_a_load_failing_part_way_fences_the_server(servers):
 
 
 #: Where the trainer is killed (`tests/lease_trainer.py`): at a random moment of a sync over
-#: each carrier (one seed each; more with WEIGHTSYNC_KILL_SEEDS=a-b), and as the load is asked.
+#: each carrier (one seed each; more with WEIGHTSYNC_KILL_SEEDS=a-b), and, in those runs by hand
+#: only, as the load is asked (the random seeds reach that point too: files 12, gloo 9; CI's
+#: time goes to the random ones, about a minute each).
 KILLS = [
     *(f"random-wt-{inner}:{seed}" for seed in kill_seeds() for inner in INNERS),
-    *(f"loading-wt-{inner}" for inner in INNERS),
+    *(f"loading-wt-{inner}" for inner in INNERS if "WEIGHTSYNC_KILL_SEEDS" in os.environ),
 ]
 
 
