@@ -290,6 +290,7 @@ def _engines_end_with_their_module():
     when an engine starts: unfrozen first), before the next module starts its own
     (tests/test_reliability.py::test_a_failed_engine_breaks_no_other_engine)."""
     import gc
+    import weakref
 
     from vllm.v1.engine.core_client import InprocClient
 
@@ -305,9 +306,17 @@ def _engines_end_with_their_module():
         yield
     finally:
         InprocClient.__init__ = init
+        held_on = [weakref.ref(client) for client in made]
         made.clear()
         gc.unfreeze()
         gc.collect()
+        # One something still holds (seen: a bf16 Falcon-H1 engine of test_proven_vllm, the
+        # holder not found) is shut down now, not torn down in the next module's start-up;
+        # vLLM's shutdown detaches its finalizer, so its later collection does nothing.
+        for ref in held_on:
+            client = ref()
+            if client is not None:
+                client.shutdown()
 
 
 @pytest.fixture(autouse=True)
