@@ -73,6 +73,12 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f" (dlp mean {c['mean_logprob_diff']:.3f}, max {c['max_logprob_diff']:.2f}; "
                 f"wrong model {c['control_mean_logprob_diff']:.1f})"
             )
+        if "own_load" in c:
+            own = c["own_load"]
+            ok += (
+                f" as vLLM's own load of the trainer's checkpoint: dlp mean "
+                f"{own['mean_logprob_diff']:.1e}, max {own['max_logprob_diff']:.1e};"
+            )
         lines.append(
             f"| {r['label']} | {s['median']:.4f} | {_pause(r.get('phases'))} | {s['min']:.4f} "
             f"| {s['max']:.4f} | {_bytes(r['bytes'])} "

@@ -148,3 +148,22 @@ def test_the_head_layout_probe_agrees_with_vllms_reload(which, request):
     print(f"{which}: head is its own copy: {own}")  # which layout this CPU has (pytest -s)
     assert follows == [not own]
     FullSync().sync(T.tiny_model("qwen2", dtype=engine.dtype), engine)  # whole again
+
+
+def test_the_benchmarks_second_oracle_tells_the_same_weights_from_others(engine):
+    """The benchmark's oracle for half-precision rows its trainer bound cannot judge (1.5B, 3B:
+    `benchmarks.correctness.own_load_oracle`): after a FullSync, vLLM's own load of the same
+    trainer's checkpoint scores alike; of a trainer one small step away, it does not."""
+    from benchmarks.correctness import own_load_oracle
+
+    model = T.tiny_model("qwen2", dtype=torch.float32)
+    T.perturb(model, seed=11, scale=0.3)
+    FullSync().sync(model, engine)
+    same = own_load_oracle(model, engine)
+    assert same["passed"], same
+    FullSync().sync(model, engine)
+    stepped = T.tiny_model("qwen2", dtype=torch.float32)
+    stepped.load_state_dict(model.state_dict())
+    T.perturb(stepped, seed=12, scale=0.02)
+    other = own_load_oracle(stepped, engine)
+    assert not other["passed"] and other["mean_logprob_diff"] > 10 * same["tolerance"]["mean"]
