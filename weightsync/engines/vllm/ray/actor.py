@@ -147,10 +147,6 @@ class _EngineSide:
                 (its control calls must run on the actor's event loop); ``WEIGHTSYNC_STAGE_TTL_S``
                 set to something else than a positive number of seconds.
         """
-        from vllm import LLM
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.core_client import InprocClient
-
         raw = os.environ.get(STAGE_TTL_ENV, str(DEFAULT_STAGE_TTL_S))
         try:
             ttl = float(raw)
@@ -158,6 +154,10 @@ class _EngineSide:
             ttl = -1.0
         if not 0 < ttl < float("inf"):
             raise ValueError(f"{STAGE_TTL_ENV} must be a positive number of seconds, got {raw!r}")
+        from vllm import LLM
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.core_client import InprocClient
+
         self.weightsync_stage_ttl_s = ttl
         self._weightsync_lock = threading.Lock()
         self._weightsync_engine = engine
