@@ -65,7 +65,7 @@ from weightsync.engines.vllm.ray import (
     RayVLLMEngine,
     WeightsyncActor,
 )
-from weightsync.engines.vllm.ray.actor import DEFAULT_STAGE_TTL_S, STAGE, STAGE_TTL_ENV
+from weightsync.engines.vllm.ray.actor import DEFAULT_STAGE_EXPIRY_S, STAGE, STAGE_EXPIRY_ENV
 from weightsync.wire import stream
 from weightsync.wire.stream import Kind
 
@@ -125,9 +125,9 @@ def _actor_class():
             """Whether a sync's stage is held here, uncommitted."""
             return self._weightsync_staged is not None
 
-        def set_stage_ttl(self, seconds: float) -> None:
-            """What ``WEIGHTSYNC_STAGE_TTL_S`` sets, for the stages that follow."""
-            self.weightsync_stage_ttl_s = seconds
+        def set_stage_expiry(self, seconds: float) -> None:
+            """What ``WEIGHTSYNC_STAGE_EXPIRY_S`` sets, for the stages that follow."""
+            self.weightsync_stage_expiry_s = seconds
 
     return Rollout
 
@@ -405,9 +405,9 @@ def _async_actor_class():
             """Whether a sync's stage is held here, uncommitted."""
             return self._weightsync_staged is not None
 
-        def set_stage_ttl(self, seconds: float) -> None:
-            """What ``WEIGHTSYNC_STAGE_TTL_S`` sets, for the stages that follow."""
-            self.weightsync_stage_ttl_s = seconds
+        def set_stage_expiry(self, seconds: float) -> None:
+            """What ``WEIGHTSYNC_STAGE_EXPIRY_S`` sets, for the stages that follow."""
+            self.weightsync_stage_expiry_s = seconds
 
     return AsyncRollout
 
@@ -726,14 +726,14 @@ def _held_for(actor: Any, bound_s: float, files: bool = False) -> float:
 
 
 @pytest.mark.parametrize("ttl", ["0", "-1", "soon", "inf"])
-def test_a_stage_ttl_that_is_no_positive_number_is_refused_at_attach(ttl, monkeypatch):
-    monkeypatch.setenv(STAGE_TTL_ENV, ttl)
-    with pytest.raises(ValueError, match=f"WEIGHTSYNC_STAGE_TTL_S must be a positive .*'{ttl}'"):
+def test_a_stage_expiry_that_is_no_positive_number_is_refused_at_attach(ttl, monkeypatch):
+    monkeypatch.setenv(STAGE_EXPIRY_ENV, ttl)
+    with pytest.raises(ValueError, match=f"WEIGHTSYNC_STAGE_EXPIRY_S must be a positive .*'{ttl}'"):
         WeightsyncActor().weightsync_attach(None)
 
 
 def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine):
-    """A stage held uncommitted past its time to live (``WEIGHTSYNC_STAGE_TTL_S``, here 1 s)
+    """A stage held uncommitted past its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S``, here 1 s)
     is dropped by the actor -- its bytes, and for the AsyncLLM actor its RAM folder -- and its
     commit is refused before any pause, a `StageLostError` saying why, the old weights served
     and the base kept. A stage another trainer's stage replaced is refused alike, and the
@@ -747,14 +747,16 @@ def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine
     new, newer = full_model(ARCH, seed=95), full_model(ARCH, seed=96)
     other = RayVLLMEngine(handle, timeout_s=300)
     try:
-        ray.get(handle.set_stage_ttl.remote(1.0), timeout=60)
+        ray.get(handle.set_stage_expiry.remote(1.0), timeout=60)
         staged = engine.stage_weights(one_per_bucket(new, engine))
         assert ray.get(handle.stage_held.remote(), timeout=60)
         assert async_actor is None or _staged_files(async_actor)
         _held_for(handle, stretched(20))
         assert async_actor is None or not _staged_files(async_actor)
         try:
-            with pytest.raises(StageLostError, match=r"expired: held .* WEIGHTSYNC_STAGE_TTL_S=1"):
+            with pytest.raises(
+                StageLostError, match=r"expired: held .* WEIGHTSYNC_STAGE_EXPIRY_S=1"
+            ):
                 staged.apply()
         finally:
             staged.drop()
@@ -762,7 +764,7 @@ def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine
         if async_actor is not None:
             assert not ray.get(async_actor.paused.remote(), timeout=60)
 
-        ray.get(handle.set_stage_ttl.remote(DEFAULT_STAGE_TTL_S), timeout=60)
+        ray.get(handle.set_stage_expiry.remote(DEFAULT_STAGE_EXPIRY_S), timeout=60)
         mine = engine.stage_weights(one_per_bucket(new, engine))
         theirs = other.stage_weights(one_per_bucket(newer, other))
         try:
@@ -777,7 +779,7 @@ def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine
         T.assert_matches(newer, other, atol=ATOL)
 
         ttl, outcomes = 1.0, []
-        ray.get(handle.set_stage_ttl.remote(ttl), timeout=60)
+        ray.get(handle.set_stage_expiry.remote(ttl), timeout=60)
 
         def tokens() -> list[list[int]]:
             return [t for t, _ in other.greedy_batch(T.PROMPTS, 8)]
@@ -801,13 +803,13 @@ def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine
             expected["old"] = now
         print(f"commits racing a {ttl} s time to live: {outcomes}")
     finally:
-        ray.get(handle.set_stage_ttl.remote(DEFAULT_STAGE_TTL_S), timeout=60)
+        ray.get(handle.set_stage_expiry.remote(DEFAULT_STAGE_EXPIRY_S), timeout=60)
         other.close()
     sync_and_check(FullSync(), newer, engine)  # whatever the race left: the next sync is exact
 
 
 #: The stage's time to live while a trainer actor is killed (the actors' default is 600 s).
-KILL_TTL_S = 3.0
+KILL_EXPIRY_S = 3.0
 
 #: Where a trainer actor is killed: at a random moment of a sync (a delay drawn from the
 #: seed: with a tiny model most land while it puts pieces) and 0-50 ms after its commit call
@@ -906,11 +908,11 @@ def _trainer_class():
 @pytest.fixture(params=["llm", "asyncllm"])
 def rollout(request, actors):
     """The module's LLM actor (by reference), or its AsyncLLM actor (a RAM folder), with a
-    short stage time to live (`KILL_TTL_S`), put back after; and which it is."""
+    short stage time to live (`KILL_EXPIRY_S`), put back after; and which it is."""
     actor = actors[0] if request.param == "llm" else request.getfixturevalue("async_actor")
-    ray.get(actor.set_stage_ttl.remote(KILL_TTL_S), timeout=60)
+    ray.get(actor.set_stage_expiry.remote(KILL_EXPIRY_S), timeout=60)
     yield actor, request.param
-    ray.get(actor.set_stage_ttl.remote(DEFAULT_STAGE_TTL_S), timeout=60)
+    ray.get(actor.set_stage_expiry.remote(DEFAULT_STAGE_EXPIRY_S), timeout=60)
 
 
 @pytest.mark.parametrize("point", TRAINER_KILLS)
@@ -924,7 +926,7 @@ def test_a_trainer_actor_killed_mid_sync_leaves_old_or_new_weights(
     where the commit call reached the actor, which runs it to its end alone -- exactly the
     new weights'; never a mix, never paused for good. The dead trainer's stage is gone from
     the actor (its stage call failed on the lost queue and objects, or it expired after
-    `KILL_TTL_S`), with its RAM folder; nothing of the trainer is left in /dev/shm; and the
+    `KILL_EXPIRY_S`), with its RAM folder; nothing of the trainer is left in /dev/shm; and the
     next honest sync from a new trainer is exact."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -961,7 +963,7 @@ def test_a_trainer_actor_killed_mid_sync_leaves_old_or_new_weights(
     tokens = [t for t, _ in RayControl(actor, timeout_s=bound_s).generate(prompts, 8, None)]
     waited = time.monotonic() - start
     served = next((k for k, v in expected.items() if v == tokens), "a mix")
-    gone = _held_for(actor, KILL_TTL_S + stretched(30), files=kind == "asyncllm")
+    gone = _held_for(actor, KILL_EXPIRY_S + stretched(30), files=kind == "asyncllm")
     print(
         f"{point}: killed {delay:.3f} s in ({took:.3f} s a sync), {said.split()}: {served}, "
         f"answered in {waited:.1f} s, no stage held {gone:.1f} s later"

@@ -152,7 +152,7 @@ class PauseExpiredError(WeightSyncError, RuntimeError):
 
 class StageLostError(WeightSyncError, RuntimeError):
     """A commit named a stage the engine no longer holds: it was held uncommitted longer than
-    its time to live (``WEIGHTSYNC_STAGE_TTL_S`` in a Ray actor's environment), another sync's
+    its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S`` in a Ray actor's environment), another sync's
     stage replaced it, or it was dropped. The commit was refused before the engine was paused:
     nothing of the sync was loaded, the engine serves what it did, and the base is kept. Sync
     again (and raise the time to live if the trainer is that slow between stage and commit on

@@ -50,14 +50,14 @@ __all__ = ["AsyncWeightsyncActor", "WeightsyncActor", "actor_llm"]
 TIMEOUT_S = 600.0
 
 #: The actor's environment variable bounding, in seconds, how long a stage is held uncommitted
-#: (read by ``weightsync_attach``; `_EngineSide.weightsync_stage_ttl_s`).
-STAGE_TTL_ENV = "WEIGHTSYNC_STAGE_TTL_S"
+#: (read by ``weightsync_attach``; `_EngineSide.weightsync_stage_expiry_s`).
+STAGE_EXPIRY_ENV = "WEIGHTSYNC_STAGE_EXPIRY_S"
 
 #: The stage's time to live when the environment sets none: as long as one actor call may
 #: take, so the replica of a fan-out that staged first outlives the slowest replica's stage
 #: call (`Replicas` commits once every replica staged), while the bytes of a trainer that died
 #: before its commit are let go within a bound.
-DEFAULT_STAGE_TTL_S = TIMEOUT_S
+DEFAULT_STAGE_EXPIRY_S = TIMEOUT_S
 
 #: The RPC names the actor answers itself (the bytes from the object store); every other name
 #: goes to vLLM's workers through ``collective_rpc`` (so none is a worker extension's name).
@@ -123,10 +123,10 @@ class _EngineSide:
     _weightsync_copies: LoadedCopies | None = None
     _weightsync_staged: _Stage | None = None
     _weightsync_weights: dict[str, tuple[int, ...]] | None = None
-    #: How long a stage is held uncommitted, in seconds (`STAGE_TTL_ENV`, set by
+    #: How long a stage is held uncommitted, in seconds (`STAGE_EXPIRY_ENV`, set by
     #: ``weightsync_attach``); then it is dropped and its commit refused (`StageLostError`).
     #: An actor may set it itself; it applies to the stages that follow.
-    weightsync_stage_ttl_s: float = DEFAULT_STAGE_TTL_S
+    weightsync_stage_expiry_s: float = DEFAULT_STAGE_EXPIRY_S
     _weightsync_lock: threading.Lock
     _weightsync_expiry: threading.Timer | None = None
     #: The id of the last stage let go uncommitted, and why (for its commit's error).
@@ -136,29 +136,31 @@ class _EngineSide:
         """Serve ``engine``, created with weightsync's worker extension: a ``vllm.LLM`` (any
         tensor parallel size), or, in an `AsyncWeightsyncActor`, an ``AsyncLLM``.
 
-        A stage the trainer does not commit within ``WEIGHTSYNC_STAGE_TTL_S`` seconds of its
-        end (the actor's environment; default `DEFAULT_STAGE_TTL_S`) is dropped -- its bytes,
+        A stage the trainer does not commit within ``WEIGHTSYNC_STAGE_EXPIRY_S`` seconds of its
+        end (the actor's environment; default `DEFAULT_STAGE_EXPIRY_S`) is dropped -- its bytes,
         its RAM folder -- and its commit refused with nothing loaded: a trainer that died
         between its stage and its commit holds nothing here for longer (docs/ray.md).
 
         Raises:
             TypeError: ``engine`` is neither.
             ValueError: an ``AsyncLLM`` in an actor whose ``weightsync_call`` is synchronous
-                (its control calls must run on the actor's event loop); ``WEIGHTSYNC_STAGE_TTL_S``
+                (its control calls must run on the actor's event loop); ``WEIGHTSYNC_STAGE_EXPIRY_S``
                 set to something else than a positive number of seconds.
         """
-        raw = os.environ.get(STAGE_TTL_ENV, str(DEFAULT_STAGE_TTL_S))
+        raw = os.environ.get(STAGE_EXPIRY_ENV, str(DEFAULT_STAGE_EXPIRY_S))
         try:
             ttl = float(raw)
         except ValueError:
             ttl = -1.0
         if not 0 < ttl < float("inf"):
-            raise ValueError(f"{STAGE_TTL_ENV} must be a positive number of seconds, got {raw!r}")
+            raise ValueError(
+                f"{STAGE_EXPIRY_ENV} must be a positive number of seconds, got {raw!r}"
+            )
         from vllm import LLM
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.core_client import InprocClient
 
-        self.weightsync_stage_ttl_s = ttl
+        self.weightsync_stage_expiry_s = ttl
         self._weightsync_lock = threading.Lock()
         self._weightsync_engine = engine
         if isinstance(engine, AsyncLLM):
@@ -252,9 +254,9 @@ class _EngineSide:
         try:
             return run_commit(control, commit, rpc=rpc)
         finally:
-            if stage is not None:  # the pause failed: nothing loaded, the stage let go
+            if stage is not None:  # the commit failed before its load: the stage let go
                 with self._weightsync_lock:
-                    self._weightsync_release(stage, "its commit failed to pause the engine")
+                    self._weightsync_release(stage, "its commit failed before loading it")
 
     def _weightsync_stage_stream(
         self, channel: Any, key: str = "", delta: str = "", stage: str = ""
@@ -270,7 +272,7 @@ class _EngineSide:
         value is how many frames were staged. ``delta``: the id the kept copies
         (``wire.delta``) carry once the sync is committed; ``stage``: the id its commit names
         (the trainer's, fresh per sync). The stage is held until its commit, the next stage,
-        or `weightsync_stage_ttl_s` seconds, whichever comes first."""
+        or `weightsync_stage_expiry_s` seconds, whichever comes first."""
         # One stage at a time: an uncommitted one is abandoned (its commit refused).
         self._weightsync_drop_stage("", "another sync's stage replaced it")
         copies = None
@@ -349,8 +351,8 @@ class _EngineSide:
         return _Stage(load, drop, delta, checker.count, stage)
 
     def _weightsync_hold(self, stage: _Stage) -> None:
-        """Hold ``stage`` for its commit, for `weightsync_stage_ttl_s` seconds at most."""
-        ttl = self.weightsync_stage_ttl_s
+        """Hold ``stage`` for its commit, for `weightsync_stage_expiry_s` seconds at most."""
+        ttl = self.weightsync_stage_expiry_s
         expiry = threading.Timer(ttl, self._weightsync_expire, (stage, ttl, time.monotonic()))
         expiry.daemon = True
         with self._weightsync_lock:
@@ -365,7 +367,7 @@ class _EngineSide:
                 return
             self._weightsync_staged = None
             held = time.monotonic() - since
-            why = f"it expired: held {held:.1f} s uncommitted, past {STAGE_TTL_ENV}={ttl:g}"
+            why = f"it expired: held {held:.1f} s uncommitted, past {STAGE_EXPIRY_ENV}={ttl:g}"
             self._weightsync_release(stage, why)
 
     def _weightsync_take(self, stage_id: str) -> _Stage:

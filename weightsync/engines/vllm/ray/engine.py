@@ -225,7 +225,7 @@ class RayObjectStoreTransport(Transport):
         stage (the trainer's references are let go once the actor staged: it holds what it
         needs). The stage has an id of its own, which its commit and drop name: neither
         touches another sync's stage, and a commit after the actor let the stage go (its time
-        to live, `actor.STAGE_TTL_ENV`) is refused with nothing loaded (`StageLostError`)."""
+        to live, `actor.STAGE_EXPIRY_ENV`) is refused with nothing loaded (`StageLostError`)."""
         signer = signer_for(self.tagged)
         copies = self._copies
         sync_id = ""
