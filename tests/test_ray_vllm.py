@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from conftest import (
     sync_and_check,
 )
 from inflight import PROMPTS, TOKENS, Rollout, across, check
+from lease_trainer import kill_seeds
 
 from benchmarks.processes import ray_cluster, stretched
 from weightsync import AdapterSync, Syncer
@@ -40,6 +43,7 @@ from weightsync.engines.vllm.control import base_label
 from weightsync.errors import (
     BytesRejectedError,
     EngineUnavailableError,
+    StageLostError,
     WeightMismatchError,
     WeightSyncError,
 )
@@ -56,11 +60,12 @@ import ray
 
 from weightsync.engines.vllm.ray import (
     AsyncWeightsyncActor,
+    RayControl,
     RayObjectStoreTransport,
     RayVLLMEngine,
     WeightsyncActor,
 )
-from weightsync.engines.vllm.ray.actor import DROP_STAGE, STAGE
+from weightsync.engines.vllm.ray.actor import DEFAULT_STAGE_EXPIRY_S, STAGE, STAGE_EXPIRY_ENV
 from weightsync.wire import stream
 from weightsync.wire.stream import Kind
 
@@ -115,6 +120,14 @@ def _actor_class():
         def hold(self, seconds: float) -> None:
             """Busy for ``seconds`` (a long rollout): the next call waits behind it."""
             time.sleep(seconds)
+
+        def stage_held(self) -> bool:
+            """Whether a sync's stage is held here, uncommitted."""
+            return self._weightsync_staged is not None
+
+        def set_stage_expiry(self, seconds: float) -> None:
+            """What ``WEIGHTSYNC_STAGE_EXPIRY_S`` sets, for the stages that follow."""
+            self.weightsync_stage_expiry_s = seconds
 
     return Rollout
 
@@ -388,6 +401,14 @@ def _async_actor_class():
         def shutdown(self) -> None:
             self.engine.shutdown()
 
+        def stage_held(self) -> bool:
+            """Whether a sync's stage is held here, uncommitted."""
+            return self._weightsync_staged is not None
+
+        def set_stage_expiry(self, seconds: float) -> None:
+            """What ``WEIGHTSYNC_STAGE_EXPIRY_S`` sets, for the stages that follow."""
+            self.weightsync_stage_expiry_s = seconds
+
     return AsyncRollout
 
 
@@ -447,10 +468,10 @@ def test_an_asyncllm_in_an_async_actor(async_actor):
 
 def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(async_actor):
     """The trainer commits in one actor call (pause, load, version, reset, resume all run in
-    the actor): a load that fails inside it -- the stage dropped under it, so the workers are
-    handed nothing -- is recovered and resumed by that same call, with no second call from the
-    trainer (a trainer that died there would leave no paused actor); the error reaches the
-    trainer, and the next sync is exact. A transport that would stream inside a pause the
+    the actor): a load that fails inside it -- the staged files removed under it, so the
+    workers find none to load -- is recovered and resumed by that same call, with no second
+    call from the trainer (a trainer that died there would leave no paused actor); the error
+    reaches the trainer, and the next sync is exact. A transport that would stream inside a pause the
     trainer holds is refused: no weightsync write leaves an actor's pause to the trainer."""
     with pytest.raises(ValueError, match="streams inside the engine's pause"):
         RayVLLMEngine(async_actor, transport=GlooTransport(stage=False))
@@ -460,11 +481,12 @@ def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(
         sync_and_check(FullSync(), old, engine)
         expected = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)[0]
         staged = engine.stage_weights(one_per_bucket(full_model(ARCH, seed=76), engine))
-        engine.rpc(DROP_STAGE)  # the actor lets it go: its commit will find nothing
+        for file in _staged_files(async_actor):  # the workers' load will find nothing
+            file.unlink()
         made: list[str] = []
         call = engine.control.call
         engine.control.call = lambda name, *args: made.append(name) or call(name, *args)
-        with pytest.raises(RuntimeError, match="nothing is staged"):
+        with pytest.raises(BytesRejectedError, match=r"0 bucket files came with .* tags"):
             staged.apply()
         # One call for the whole commit and its recovery; after it, the trainer's own label of
         # its lost base (`mark_lost`), nothing of the pause.
@@ -477,6 +499,12 @@ def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(
         sync_and_check(FullSync(), full_model(ARCH, seed=77), engine)
     finally:
         engine.close()
+
+
+def _staged_files(actor: Any) -> list[Path]:
+    """The files of the RAM folder an actor whose workers are other processes stages into."""
+    (pid,) = ray.get(actor.pids.remote(), timeout=60)[:1]
+    return [p for p in SHM.glob(f"weightsync-{pid}-*/update-*/*") if p.is_file()]
 
 
 class ActorRollouts:
@@ -681,6 +709,276 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
     if actor is not None:
         ((tokens, spans),) = served
         assert tokens == before[0][0] and spans[-1][0] == base_label(written)
+
+
+# --- a stage nobody commits expires; a trainer actor killed mid-sync (issue 31) -----------------
+
+
+def _held_for(actor: Any, bound_s: float, files: bool = False) -> float:
+    """How long until ``actor`` holds no stage (at most ``bound_s``: else the test fails), nor,
+    with ``files``, any staged file in its RAM folder (a stage call still running writes
+    there)."""
+    start = time.monotonic()
+    while ray.get(actor.stage_held.remote(), timeout=bound_s) or (files and _staged_files(actor)):
+        assert time.monotonic() - start < bound_s, f"a stage was still held after {bound_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("ttl", ["0", "-1", "soon", "inf"])
+def test_a_stage_expiry_that_is_no_positive_number_is_refused_at_attach(ttl, monkeypatch):
+    monkeypatch.setenv(STAGE_EXPIRY_ENV, ttl)
+    with pytest.raises(ValueError, match=f"WEIGHTSYNC_STAGE_EXPIRY_S must be a positive .*'{ttl}'"):
+        WeightsyncActor().weightsync_attach(None)
+
+
+def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine):
+    """A stage held uncommitted past its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S``, here 1 s)
+    is dropped by the actor -- its bytes, and for the AsyncLLM actor its RAM folder -- and its
+    commit is refused before any pause, a `StageLostError` saying why, the old weights served
+    and the base kept. A stage another trainer's stage replaced is refused alike, and the
+    other's commit is exact (neither commit nor drop touches another sync's stage). Commits
+    racing the expiry (committed 0.6-1.4x the time to live after the stage) each load the
+    whole stage or are refused: the tokens are exactly the new weights' or the old's."""
+    engine, async_actor = staging_engine
+    handle = engine.actor
+    sync_and_check(FullSync(), full_model(ARCH, seed=94), engine)
+    serving = engine.greedy_batch(T.PROMPTS, 8)
+    new, newer = full_model(ARCH, seed=95), full_model(ARCH, seed=96)
+    other = RayVLLMEngine(handle, timeout_s=300)
+    try:
+        ray.get(handle.set_stage_expiry.remote(1.0), timeout=60)
+        staged = engine.stage_weights(one_per_bucket(new, engine))
+        assert ray.get(handle.stage_held.remote(), timeout=60)
+        assert async_actor is None or _staged_files(async_actor)
+        _held_for(handle, stretched(20))
+        assert async_actor is None or not _staged_files(async_actor)
+        try:
+            with pytest.raises(
+                StageLostError, match=r"expired: held .* WEIGHTSYNC_STAGE_EXPIRY_S=1"
+            ):
+                staged.apply()
+        finally:
+            staged.drop()
+        assert engine.greedy_batch(T.PROMPTS, 8) == serving and not engine.base_discarded
+        if async_actor is not None:
+            assert not ray.get(async_actor.paused.remote(), timeout=60)
+
+        ray.get(handle.set_stage_expiry.remote(DEFAULT_STAGE_EXPIRY_S), timeout=60)
+        mine = engine.stage_weights(one_per_bucket(new, engine))
+        theirs = other.stage_weights(one_per_bucket(newer, other))
+        try:
+            with pytest.raises(StageLostError, match="another sync's stage replaced it"):
+                mine.apply()
+        finally:
+            mine.drop()  # drops nothing of theirs
+        try:
+            theirs.apply()
+        finally:
+            theirs.drop()
+        T.assert_matches(newer, other, atol=ATOL)
+
+        ttl, outcomes = 1.0, []
+        ray.get(handle.set_stage_expiry.remote(ttl), timeout=60)
+
+        def tokens() -> list[list[int]]:
+            return [t for t, _ in other.greedy_batch(T.PROMPTS, 8)]
+
+        expected = {"old": tokens()}
+        for i, gap in enumerate([0.6, 0.9, 1.0, 1.1, 1.4]):
+            model = full_model(ARCH, seed=97 + i)
+            expected["new"] = [T.trainer_greedy(model, p, 8) for p in T.PROMPTS]
+            staged = other.stage_weights(one_per_bucket(model, other))
+            time.sleep(gap * ttl)
+            try:
+                staged.apply()
+                outcomes.append("committed")
+            except StageLostError:
+                outcomes.append("refused")
+            finally:
+                staged.drop()
+            now = tokens()
+            said = next((k for k, v in expected.items() if v == now), "a mix")
+            assert said == ("new" if outcomes[-1] == "committed" else "old"), (gap, said)
+            expected["old"] = now
+        print(f"commits racing a {ttl} s time to live: {outcomes}")
+    finally:
+        ray.get(handle.set_stage_expiry.remote(DEFAULT_STAGE_EXPIRY_S), timeout=60)
+        other.close()
+    sync_and_check(FullSync(), newer, engine)  # whatever the race left: the next sync is exact
+
+
+#: The stage's time to live while a trainer actor is killed (the actors' default is 600 s).
+KILL_EXPIRY_S = 3.0
+
+#: Where a trainer actor is killed: at a random moment of a sync (a delay drawn from the
+#: seed: with a tiny model most land while it puts pieces) and 0-50 ms after its commit call
+#: was sent (``committing``, the seed drawing the delay), one seed each in CI (more with
+#: WEIGHTSYNC_KILL_SEEDS=a-b); by hand also between its stage and its commit (``staged``,
+#: which a random seed reaches now and then).
+TRAINER_KILLS = [
+    *(f"{point}:{seed}" for seed in kill_seeds() for point in ("random", "committing")),
+    *(["staged"] if "WEIGHTSYNC_KILL_SEEDS" in os.environ else []),
+]
+
+
+def _trainer_class():
+    """A trainer in a Ray actor of its own (verl's, OpenRLHF's, NeMo-RL's layout) that syncs a
+    rollout actor through the object store, one tensor a piece, and dies at a point of a sync
+    by SIGKILL -- what an OOM killer or a pre-emption does: no cleanup, and every object it
+    owns (the pieces it put, the stream's queue) lost with it. As it dies it writes where the
+    kill landed to ``trace``: ``planning`` (no stage call yet), ``staging (n pieces put)``,
+    ``staged`` (the stage call answered, no commit call yet), ``commit`` (sent, not answered)
+    or ``after`` (``SYNCED`` first: the sync had ended)."""
+
+    class Trainer:
+        def __init__(self, rollout: Any, trace: str) -> None:
+            from weightsync.engines.vllm.ray import RayObjectStoreTransport, RayVLLMEngine
+
+            transport = RayObjectStoreTransport(piece_bytes=1)  # a tensor a piece
+            self.engine = RayVLLMEngine(rollout, timeout_s=300, transport=transport)
+            self.trace = trace
+            self.events: list[str] = []
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def sync(self, model: Any) -> float:
+            """Sync ``model`` (every weight sent); how long it took."""
+            start = time.monotonic()
+            FullSync(skip_unchanged=False).sync(model, self.engine)
+            return time.monotonic() - start
+
+        def where(self) -> str:
+            said = self.events
+            if "end commit" in said:
+                return "after"
+            if "start commit" in said:
+                return "commit"
+            if "end stage" in said:
+                return "staged"
+            if "start stage" in said:
+                return f"staging ({said.count('put')} pieces put)"
+            return "planning"
+
+        def die(self) -> None:
+            with open(self.trace, "a") as out:
+                out.write(f"AT {self.where()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def sync_killed(self, model: Any, point: str, delay: float) -> None:
+            """Sync ``model`` and die at ``point`` (`TRAINER_KILLS`; ``random``: ``delay``
+            seconds into the sync; ``committing``: ``delay`` seconds after the commit call
+            was sent)."""
+            import threading
+
+            from weightsync.engines.vllm.ray.actor import STAGE
+
+            put, call, events = ray.put, self.engine.control.call, self.events
+
+            def counted(value: Any, **kwargs: Any) -> Any:
+                ref = put(value, **kwargs)
+                events.append("put")
+                return ref
+
+            def traced(name: str, *args: Any) -> Any:
+                what = "stage" if name == "rpc" and args[0] == STAGE else name
+                events.append(f"start {what}")
+                if what == "commit" and point.startswith("committing"):
+                    self.engine.actor.weightsync_call.remote(name, *args)
+                    time.sleep(delay)
+                    self.die()
+                answer = call(name, *args)
+                events.append(f"end {what}")
+                if what == "stage" and point == "staged":
+                    self.die()
+                return answer
+
+            ray.put, self.engine.control.call = counted, traced
+            if point.startswith("random"):
+                threading.Timer(delay, self.die).start()
+            FullSync(skip_unchanged=False).sync(model, self.engine)
+            with open(self.trace, "a") as out:
+                out.write("SYNCED\n")
+            time.sleep(3600)  # the timer kills it
+
+    return Trainer
+
+
+@pytest.fixture(params=["llm", "asyncllm"])
+def rollout(request, actors):
+    """The module's LLM actor (by reference), or its AsyncLLM actor (a RAM folder), with a
+    short stage time to live (`KILL_EXPIRY_S`), put back after; and which it is."""
+    actor = actors[0] if request.param == "llm" else request.getfixturevalue("async_actor")
+    ray.get(actor.set_stage_expiry.remote(KILL_EXPIRY_S), timeout=60)
+    yield actor, request.param
+    ray.get(actor.set_stage_expiry.remote(DEFAULT_STAGE_EXPIRY_S), timeout=60)
+
+
+@pytest.mark.parametrize("point", TRAINER_KILLS)
+def test_a_trainer_actor_killed_mid_sync_leaves_old_or_new_weights(
+    cluster, rollout, point, tmp_path
+):
+    """A trainer in its own Ray actor SIGKILLed in a sync into a vLLM actor: at a random
+    moment (planning, putting pieces while the actor's stage call takes them, between stage
+    and commit, inside the commit call, after), or as its commit call was sent. A separate
+    caller's greedy tokens are then, within a bounded time, exactly the old weights' or --
+    where the commit call reached the actor, which runs it to its end alone -- exactly the
+    new weights'; never a mix, never paused for good. The dead trainer's stage is gone from
+    the actor (its stage call failed on the lost queue and objects, or it expired after
+    `KILL_EXPIRY_S`), with its RAM folder; nothing of the trainer is left in /dev/shm; and the
+    next honest sync from a new trainer is exact."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes, pids = cluster
+    actor, kind = rollout
+    seed = int(point.partition(":")[2] or 0)
+    old, new, newer = (full_model(ARCH, seed=130 + 3 * seed + i) for i in range(3))
+    prompts = T.PROMPTS[:2]
+    expected = {
+        "old": [T.trainer_greedy(old, p, 8) for p in prompts],
+        "new": [T.trainer_greedy(new, p, 8) for p in prompts],
+    }
+    assert expected["old"] != expected["new"], "the new weights answer as the old: proves nothing"
+    trace = tmp_path / "trace"
+    here = NodeAffinitySchedulingStrategy(nodes[0], soft=False)
+    cls = ray.remote(num_cpus=0, max_restarts=0)(_trainer_class())
+    trainer = cls.options(scheduling_strategy=here).remote(actor, str(trace))
+    try:
+        pid = ray.get(trainer.pid.remote(), timeout=600)
+        pids.append(pid)  # the module's end looks for its scratch folders too
+        ray.get(trainer.sync.remote(old), timeout=600)  # its first sync connects
+        took = ray.get(trainer.sync.remote(old), timeout=600)
+        rng = random.Random(seed)
+        delay = rng.uniform(0, took) if point.startswith("random") else rng.uniform(0, 0.05)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(trainer.sync_killed.remote(new, point, delay), timeout=600)
+    finally:
+        ray.kill(trainer)
+    said = trace.read_text()
+    assert said.startswith(("AT", "SYNCED")), said
+
+    bound_s = stretched(60)
+    start = time.monotonic()
+    tokens = [t for t, _ in RayControl(actor, timeout_s=bound_s).generate(prompts, 8, None)]
+    waited = time.monotonic() - start
+    served = next((k for k, v in expected.items() if v == tokens), "a mix")
+    gone = _held_for(actor, KILL_EXPIRY_S + stretched(30), files=kind == "asyncllm")
+    print(
+        f"{point}: killed {delay:.3f} s in ({took:.3f} s a sync), {said.split()}: {served}, "
+        f"answered in {waited:.1f} s, no stage held {gone:.1f} s later"
+    )
+    assert served in ("old", "new"), f"a mix served after a kill: {said}"
+    assert served == "new" or ("SYNCED" not in said and "AT after" not in said), said
+    assert served == "old" or "AT commit" in said or "AT after" in said, said
+    assert waited < bound_s
+
+    honest = RayVLLMEngine(actor, timeout_s=300)  # a new trainer: its scratch sweeps the dead's
+    try:
+        sync_and_check(FullSync(), newer, honest)
+    finally:
+        honest.close()
+    assert not list(SHM.glob(f"weightsync-{pid}-*")), "the dead trainer's files are left"
 
 
 # --- failures: a deadline, a dead actor ----------------------------------------------------

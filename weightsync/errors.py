@@ -150,6 +150,15 @@ class PauseExpiredError(WeightSyncError, RuntimeError):
     trainer is that slow on purpose."""
 
 
+class StageLostError(WeightSyncError, RuntimeError):
+    """A commit named a stage the engine no longer holds: it was held uncommitted longer than
+    its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S`` in a Ray actor's environment), another sync's
+    stage replaced it, or it was dropped. The commit was refused before the engine was paused:
+    nothing of the sync was loaded, the engine serves what it did, and the base is kept. Sync
+    again (and raise the time to live if the trainer is that slow between stage and commit on
+    purpose)."""
+
+
 class ReplicasSplitError(WeightSyncError, RuntimeError):
     """A sync over `weightsync.engines.Replicas` committed on some replicas and failed on
     others (every replica had staged it; a commit failed while applying): the replicas no

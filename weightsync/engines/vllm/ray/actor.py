@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import shutil
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
@@ -20,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ....errors import BytesRejectedError, WeightSyncError
+from ....errors import BytesRejectedError, StageLostError, WeightSyncError
 from ....wire import format as fmt
 from ....wire import scratch
 from ....wire.delta import LoadedCopies
@@ -28,7 +30,15 @@ from ....wire.protocol import EngineFacts, Outcome
 from ....wire.stream import Checker, Kind
 from ....wire.tags import check
 from ..asyncllm import AsyncLLMControl
-from ..control import WORKER_EXTENSION, Commit, Control, LLMControl, held_lora, run_commit
+from ..control import (
+    WORKER_EXTENSION,
+    Commit,
+    Committed,
+    Control,
+    LLMControl,
+    held_lora,
+    run_commit,
+)
 from ..in_engine import model_ops
 from ..in_engine.extension import check_loadable
 from ..transports import TmpfsTransport
@@ -38,6 +48,16 @@ __all__ = ["AsyncWeightsyncActor", "WeightsyncActor", "actor_llm"]
 #: How long one actor call may take by default (a full sync's stage of a large model is one
 #: call); the actor waits as long for each piece of a stream.
 TIMEOUT_S = 600.0
+
+#: The actor's environment variable bounding, in seconds, how long a stage is held uncommitted
+#: (read by ``weightsync_attach``; `_EngineSide.weightsync_stage_expiry_s`).
+STAGE_EXPIRY_ENV = "WEIGHTSYNC_STAGE_EXPIRY_S"
+
+#: The stage's time to live when the environment sets none: as long as one actor call may
+#: take, so the replica of a fan-out that staged first outlives the slowest replica's stage
+#: call (`Replicas` commits once every replica staged), while the bytes of a trainer that died
+#: before its commit are let go within a bound.
+DEFAULT_STAGE_EXPIRY_S = TIMEOUT_S
 
 #: The RPC names the actor answers itself (the bytes from the object store); every other name
 #: goes to vLLM's workers through ``collective_rpc`` (so none is a worker extension's name).
@@ -103,20 +123,45 @@ class _EngineSide:
     _weightsync_copies: LoadedCopies | None = None
     _weightsync_staged: _Stage | None = None
     _weightsync_weights: dict[str, tuple[int, ...]] | None = None
+    #: How long a stage is held uncommitted, in seconds (`STAGE_EXPIRY_ENV`, set by
+    #: ``weightsync_attach``); then it is dropped and its commit refused (`StageLostError`).
+    #: An actor may set it itself; it applies to the stages that follow.
+    weightsync_stage_expiry_s: float = DEFAULT_STAGE_EXPIRY_S
+    _weightsync_lock: threading.Lock
+    _weightsync_expiry: threading.Timer | None = None
+    #: The id of the last stage let go uncommitted, and why (for its commit's error).
+    _weightsync_gone: tuple[str, str] = ("", "")
 
     def weightsync_attach(self, engine: Any) -> None:
         """Serve ``engine``, created with weightsync's worker extension: a ``vllm.LLM`` (any
         tensor parallel size), or, in an `AsyncWeightsyncActor`, an ``AsyncLLM``.
 
+        A stage the trainer does not commit within ``WEIGHTSYNC_STAGE_EXPIRY_S`` seconds of its
+        end (the actor's environment; default `DEFAULT_STAGE_EXPIRY_S`) is dropped -- its bytes,
+        its RAM folder -- and its commit refused with nothing loaded: a trainer that died
+        between its stage and its commit holds nothing here for longer (docs/ray.md).
+
         Raises:
             TypeError: ``engine`` is neither.
             ValueError: an ``AsyncLLM`` in an actor whose ``weightsync_call`` is synchronous
-                (its control calls must run on the actor's event loop).
+                (its control calls must run on the actor's event loop); ``WEIGHTSYNC_STAGE_EXPIRY_S``
+                set to something else than a positive number of seconds.
         """
+        raw = os.environ.get(STAGE_EXPIRY_ENV, str(DEFAULT_STAGE_EXPIRY_S))
+        try:
+            ttl = float(raw)
+        except ValueError:
+            ttl = -1.0
+        if not 0 < ttl < float("inf"):
+            raise ValueError(
+                f"{STAGE_EXPIRY_ENV} must be a positive number of seconds, got {raw!r}"
+            )
         from vllm import LLM
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.core_client import InprocClient
 
+        self.weightsync_stage_expiry_s = ttl
+        self._weightsync_lock = threading.Lock()
         self._weightsync_engine = engine
         if isinstance(engine, AsyncLLM):
             if not isinstance(self, AsyncWeightsyncActor):
@@ -160,19 +205,20 @@ class _EngineSide:
             raise RuntimeError("the actor has not called weightsync_attach(engine) yet")
         if call not in _CONTROL_CALLS:
             raise ValueError(f"weightsync_call: unknown call {call!r}")
-        if call == "commit":  # the whole commit in this call (`run_commit`), its rpc steps
-            # answered as the trainer's rpc calls are (the stage's load is this actor's own)
-            commit = Commit.from_json(args[0])
-            rpc = partial(self._weightsync_serve, "rpc")
-            return run_commit(control, commit, rpc=rpc).to_json()
+        if call == "commit":
+            return self._weightsync_run_commit(control, Commit.from_json(args[0])).to_json()
         if call == "rpc":
             method, kwargs = args[0], args[1] or {}
             if method == STAGE:
                 return [self._weightsync_stage_stream(**kwargs).to_json()]
             if method == COMMIT:
-                return [o.to_json() for o in self._weightsync_commit()]
+                try:
+                    stage = self._weightsync_take(kwargs.get("stage", ""))
+                except StageLostError as e:
+                    return [Outcome.failed(e).to_json()]
+                return [o.to_json() for o in self._weightsync_load(stage)]
             if method == DROP_STAGE:
-                self._weightsync_drop_stage()
+                self._weightsync_drop_stage(kwargs.get("stage", ""), "its trainer dropped it")
                 return [Outcome().to_json()]
             if method == RECEIVE_ADAPTER:
                 return [self._weightsync_adapter(**kwargs).to_json()]
@@ -189,7 +235,32 @@ class _EngineSide:
                 return [Outcome().to_json()]
         return getattr(control, call)(*args)
 
-    def _weightsync_stage_stream(self, channel: Any, key: str = "", delta: str = "") -> Outcome:
+    def _weightsync_run_commit(self, control: Control, commit: Commit) -> Committed:
+        """The whole commit in this call (`run_commit`), its rpc steps answered as the
+        trainer's rpc calls are. The stage its `COMMIT` step names is taken first, before the
+        pause, so its expiry cannot take it from under the commit: a commit racing the expiry
+        loads the whole stage, or is refused (`StageLostError`) with the engine never paused."""
+        named = [step[2] or {} for step in commit.steps if step[:2] == ("rpc", COMMIT)]
+        stage = self._weightsync_take(named[0].get("stage", "")) if named else None
+        serve = partial(self._weightsync_serve, "rpc")
+
+        def rpc(method: str, kwargs: dict[str, Any] | None) -> list[Any]:
+            nonlocal stage
+            if method != COMMIT or stage is None:
+                return serve(method, kwargs)
+            taken, stage = stage, None
+            return [o.to_json() for o in self._weightsync_load(taken)]
+
+        try:
+            return run_commit(control, commit, rpc=rpc)
+        finally:
+            if stage is not None:  # the commit failed before its load: the stage let go
+                with self._weightsync_lock:
+                    self._weightsync_release(stage, "its commit failed before loading it")
+
+    def _weightsync_stage_stream(
+        self, channel: Any, key: str = "", delta: str = "", stage: str = ""
+    ) -> Outcome:
         """Stage the stream the trainer puts through ``channel`` (`RayObjectStoreTransport`)
         while the engine serves: every frame fetched from the object store and checked
         (``wire.stream``: its tag, its place, the END's count), every tensor checked against
@@ -199,8 +270,11 @@ class _EngineSide:
         are let go). Nothing is loaded and nothing paused here; a failure drops what was
         staged (and, for a delta, the kept copies: the next sync is whole). The outcome's
         value is how many frames were staged. ``delta``: the id the kept copies
-        (``wire.delta``) carry once the sync is committed."""
-        self._weightsync_drop_stage()  # one stage at a time: an uncommitted one is abandoned
+        (``wire.delta``) carry once the sync is committed; ``stage``: the id its commit names
+        (the trainer's, fresh per sync). The stage is held until its commit, the next stage,
+        or `weightsync_stage_expiry_s` seconds, whichever comes first."""
+        # One stage at a time: an uncommitted one is abandoned (its commit refused).
+        self._weightsync_drop_stage("", "another sync's stage replaced it")
         copies = None
         if delta:
             copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
@@ -227,18 +301,22 @@ class _EngineSide:
                     held.clear()
                     refs.clear()
 
-                stage = _Stage(load, drop, delta, checker.count)
+                staged = _Stage(load, drop, delta, checker.count, stage)
             else:
-                stage = self._weightsync_stage_files(checked, delta, checker)
+                staged = self._weightsync_stage_files(checked, delta, checker, stage)
         except Exception as e:  # noqa: BLE001 (returned to the trainer: nothing was loaded)
             if copies is not None:
                 copies.clear()
             return Outcome.failed(e)
-        self._weightsync_staged = stage
-        return Outcome(value=stage.frames)
+        self._weightsync_hold(staged)
+        return Outcome(value=staged.frames)
 
     def _weightsync_stage_files(
-        self, checked: Iterable[list[tuple[str, torch.Tensor]]], delta: str, checker: Checker
+        self,
+        checked: Iterable[list[tuple[str, torch.Tensor]]],
+        delta: str,
+        checker: Checker,
+        stage: str,
     ) -> _Stage:
         """Stage checked buckets for workers in other processes (a multiprocess engine core,
         tensor parallel workers, an ``AsyncLLM``): files in a fresh RAM folder on this node
@@ -270,15 +348,55 @@ class _EngineSide:
         except BaseException:
             hop.close()
             raise
-        return _Stage(load, drop, delta, checker.count)
+        return _Stage(load, drop, delta, checker.count, stage)
 
-    def _weightsync_commit(self) -> list[Outcome]:
-        """Load what `_weightsync_stage_stream` staged (inside the commit's pause) and let it
+    def _weightsync_hold(self, stage: _Stage) -> None:
+        """Hold ``stage`` for its commit, for `weightsync_stage_expiry_s` seconds at most."""
+        ttl = self.weightsync_stage_expiry_s
+        expiry = threading.Timer(ttl, self._weightsync_expire, (stage, ttl, time.monotonic()))
+        expiry.daemon = True
+        with self._weightsync_lock:
+            self._weightsync_staged, self._weightsync_expiry = stage, expiry
+        expiry.start()
+
+    def _weightsync_expire(self, stage: _Stage, ttl: float, since: float) -> None:
+        """The expiry of ``stage``: dropped if it is still held uncommitted (a commit that
+        took it first loads it whole)."""
+        with self._weightsync_lock:
+            if self._weightsync_staged is not stage:
+                return
+            self._weightsync_staged = None
+            held = time.monotonic() - since
+            why = f"it expired: held {held:.1f} s uncommitted, past {STAGE_EXPIRY_ENV}={ttl:g}"
+            self._weightsync_release(stage, why)
+
+    def _weightsync_take(self, stage_id: str) -> _Stage:
+        """Take the stage with id ``stage_id`` ("": whichever is held) for its commit: its
+        expiry can no longer drop it.
+
+        Raises:
+            StageLostError: no such stage is held (it expired, another sync's replaced it, it
+                was dropped, or none was made); nothing was loaded.
+        """
+        with self._weightsync_lock:
+            stage = self._weightsync_staged
+            if stage is not None and stage_id in ("", stage.id):
+                self._weightsync_staged = None
+                if self._weightsync_expiry is not None:
+                    self._weightsync_expiry.cancel()
+                return stage
+            gone, why = self._weightsync_gone
+        if not stage_id or gone != stage_id:
+            why = "this actor holds no stage of it (another sync's, or none)"
+        raise StageLostError(
+            f"the commit's stage is no longer held by this actor: {why}. Nothing was loaded; "
+            "the engine serves what it did. Sync again"
+        )
+
+    def _weightsync_load(self, stage: _Stage) -> list[Outcome]:
+        """Load ``stage`` (taken: `_weightsync_take`; inside the commit's pause) and let it
         go; the workers' outcomes. The kept copies of a delta sync carry its id once every
         worker loaded it, and are dropped otherwise."""
-        stage, self._weightsync_staged = self._weightsync_staged, None
-        if stage is None:
-            return [Outcome.failed(RuntimeError("nothing is staged on this actor: nothing loaded"))]
         try:
             outcomes = stage.load()
         finally:
@@ -291,12 +409,22 @@ class _EngineSide:
                 copies.clear()
         return outcomes
 
-    def _weightsync_drop_stage(self) -> None:
-        """Drop an uncommitted stage (the trainer's sync failed, or another replica's stage
-        did): its bytes are let go, and the kept copies it patched are dropped."""
-        stage, self._weightsync_staged = self._weightsync_staged, None
-        if stage is None:
-            return
+    def _weightsync_drop_stage(self, stage_id: str, why: str) -> None:
+        """Drop the uncommitted stage with id ``stage_id`` ("": whichever is held; the
+        trainer's sync failed, another replica's stage did, or the next stage replaces it)."""
+        with self._weightsync_lock:
+            stage = self._weightsync_staged
+            if stage is None or stage_id not in ("", stage.id):
+                return
+            self._weightsync_staged = None
+            if self._weightsync_expiry is not None:
+                self._weightsync_expiry.cancel()
+            self._weightsync_release(stage, why)
+
+    def _weightsync_release(self, stage: _Stage, why: str) -> None:
+        """Let an uncommitted stage go (the lock held): its bytes (and RAM folder) freed, the
+        kept copies it patched dropped, and ``why`` kept for its commit's error."""
+        self._weightsync_gone = (stage.id, why)
         stage.drop()
         if stage.delta and self._weightsync_copies is not None:
             self._weightsync_copies.clear()
@@ -336,12 +464,14 @@ class _EngineSide:
 class _Stage(NamedTuple):
     """What one sync staged on the actor: ``load`` applies it (the workers' outcomes),
     ``drop`` lets its bytes go; ``delta`` the id its kept copies carry once committed ("":
-    not a delta sync), ``frames`` how many frames it holds."""
+    not a delta sync), ``frames`` how many frames it holds, ``id`` the id its commit names
+    ("": any commit)."""
 
     load: Callable[[], list[Outcome]]
     drop: Callable[[], None]
     delta: str
     frames: int
+    id: str
 
 
 def _frames(channel: Any, checker: Checker, refs: list[Any] | None) -> Iterator[np.ndarray]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from .... import timing
-from ....errors import EngineUnavailableError, WeightSyncError
+from ....errors import EngineUnavailableError, StageLostError, WeightSyncError, untouched
 from ....plan import Bucket
 from ....wire import format as fmt
 from ....wire import stream
@@ -99,8 +100,13 @@ class RayControl(Control):
     def commit(self, commit: Commit) -> Committed:
         """The whole commit in one actor call (`run_commit` in the actor): nothing of it
         waits on the trainer, so a trainer that dies during the call leaves an actor that
-        finishes, or recovers, and resumes."""
-        return Committed.from_json(self.call("commit", commit.to_json()))
+        finishes, or recovers, and resumes. A commit whose stage the actor no longer holds
+        (`StageLostError`: it expired, or another sync's replaced it) is refused before the
+        pause, nothing loaded (`errors.untouched`: the base is kept)."""
+        try:
+            return Committed.from_json(self.call("commit", commit.to_json()))
+        except StageLostError as error:
+            raise untouched(error) from None
 
     def pause(self) -> None:
         self.call("pause")
@@ -217,14 +223,17 @@ class RayObjectStoreTransport(Transport):
         that stops early -- drops the stage with nothing loaded and the engine never paused;
         the first error is raised. The returned apply is one call, the actor's load of its
         stage (the trainer's references are let go once the actor staged: it holds what it
-        needs)."""
+        needs). The stage has an id of its own, which its commit and drop name: neither
+        touches another sync's stage, and a commit after the actor let the stage go (its time
+        to live, `actor.STAGE_EXPIRY_ENV`) is refused with nothing loaded (`StageLostError`)."""
         signer = signer_for(self.tagged)
         copies = self._copies
         sync_id = ""
+        stage = secrets.token_hex(8)
         if copies is not None:  # deltas only onto the copies the last committed sync left
             sync_id = copies.begin([o.value for o in rpc(DELTA_STATE, {})])
         try:
-            self._stage(rpc, _pieces(buckets, self.piece_bytes), signer, sync_id)
+            self._stage(rpc, _pieces(buckets, self.piece_bytes), signer, sync_id, stage)
         except BaseException:
             if copies is not None:
                 copies.reset()
@@ -242,19 +251,20 @@ class RayObjectStoreTransport(Transport):
             if copies is not None:
                 copies.reset()
             try:
-                rpc(DROP_STAGE, {})
+                rpc(DROP_STAGE, {"stage": stage})
             except Exception:  # a dead actor holds nothing more
                 logger.warning("weightsync: dropping the actor's stage failed", exc_info=True)
 
-        return StagedCalls(rpc, [(COMMIT, {})], drop, applied=applied)
+        return StagedCalls(rpc, [(COMMIT, {"stage": stage})], drop, applied=applied)
 
     def _stage(
-        self, rpc: Rpc, pieces: Iterable[Bucket], signer: Signer | None, sync_id: str
+        self, rpc: Rpc, pieces: Iterable[Bucket], signer: Signer | None, sync_id: str, stage: str
     ) -> None:
         import ray
 
         channel = self._open_channel()
-        start = {"channel": channel, "key": signer.key_hex if signer else "", "delta": sync_id}
+        key = signer.key_hex if signer else ""
+        start = {"channel": channel, "key": key, "delta": sync_id, "stage": stage}
         refs: list[Any] = []  # held until the actor has staged them
         put = 0
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-ray-stage") as pool:
