@@ -150,6 +150,14 @@ class PauseExpiredError(WeightSyncError, RuntimeError):
     trainer is that slow on purpose."""
 
 
+class StageExpiredError(WeightSyncError, RuntimeError):
+    """A commit came after the engine's workers dropped the stage it was to load: the stage had
+    ended whole, and no commit claimed it within ``WEIGHTSYNC_STAGE_EXPIRY_S`` (the engine's
+    environment; ``wire.gloo.Staging``), the wait of a trainer that died between its stage and
+    its commit. Nothing of the sync was loaded on any worker: the engine serves what it did.
+    Sync again; raise the expiry if the trainer is that slow on purpose."""
+
+
 class ReplicasSplitError(WeightSyncError, RuntimeError):
     """A sync over `weightsync.engines.Replicas` committed on some replicas and failed on
     others (every replica had staged it; a commit failed while applying): the replicas no
