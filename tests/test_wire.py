@@ -6,8 +6,10 @@ protocol every carrier shares (``wire.stream``), carried by a plain list."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -152,6 +154,29 @@ def test_a_trainer_failure_part_way_aborts_the_workers(ranks):
     assert received.result() == (["a"], True)
 
 
+def test_a_join_that_fails_at_once_is_raised_at_once():
+    """The workers' join fails fast (a worker without the extension, a host it cannot reach):
+    rank 0 raises their error as soon as the join future holds it, not after its rendezvous
+    timeout, and leaves neither the store's port nor its waiting thread behind."""
+    ports: list[int] = []
+
+    def join(port: int, secret: str):
+        ports.append(port)
+        failed: Future = Future()
+        failed.set_exception(WeightSyncError("weightsync_join_gloo: no such method on worker 0"))
+        return failed
+
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="no such method on worker 0"):
+        gloo.open_group("127.0.0.1", 0, 2, 60.0, join)
+    took = time.monotonic() - start
+    print(f"raised after {took:.2f} s (rendezvous timeout 60 s)")
+    assert took < 30.0
+    assert not [t for t in threading.enumerate() if t.name == "weightsync-rendezvous"]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=5.0).close()
+
+
 def _staged(trainer, worker, sent, expire_s: float) -> gloo.Staging:
     """``sent`` staged whole on the worker's side, its expiry ``expire_s``."""
     stage = gloo.Staging(worker, expire_s=expire_s)
@@ -208,7 +233,9 @@ def test_the_stage_expiry_comes_from_the_environment(monkeypatch):
     assert gloo.stage_expiry_s() == 2.5
     for bad in ("0", "-1", "soon", "inf"):
         monkeypatch.setenv(gloo.STAGE_EXPIRY_ENV, bad)
-        with pytest.raises(ValueError, match=f"WEIGHTSYNC_STAGE_EXPIRY_S must be a positive.*{bad}"):
+        with pytest.raises(
+            ValueError, match=f"WEIGHTSYNC_STAGE_EXPIRY_S must be a positive.*{bad}"
+        ):
             gloo.stage_expiry_s()
 
 

@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from datetime import timedelta
 from typing import Any
 
@@ -115,15 +115,37 @@ def open_group(
     """Rank 0 of a group of ``size``: listen on ``host:port`` only (0: a free port), start the
     workers joining with ``join(store_port, secret)`` (a future: their RPC, which carries the
     secret, runs while this rank waits in the rendezvous), and return ``(group, store)`` (keep
-    both). A worker's error (no extension, unreachable host) is raised rather than the
-    rendezvous timeout it causes."""
+    both).
+
+    A worker's error (no extension, a host it cannot reach) is raised as soon as the join
+    future holds it, not after the rendezvous timeout it would cause: this rank waits in a
+    thread of its own, on a client of the store, and closing the store ends that wait at once
+    (the port freed, the thread gone before the error is raised)."""
+    from torch.distributed import TCPStore
+
     store = listen(host, port, timeout_s)
     secret = secrets.token_hex(16)
+    own = TCPStore(host, store.port, None, False, timeout=timedelta(seconds=timeout_s))
+    made: Future = Future()
+
+    def wait_for_the_workers() -> None:
+        try:
+            made.set_result(rendezvous(own, host, 0, size, timeout_s, secret))
+        except BaseException as e:  # noqa: BLE001 (handed over through ``made``)
+            made.set_exception(e)
+
     joined = join(store.port, secret)
-    try:
-        group = rendezvous(store, host, 0, size, timeout_s, secret)
-    finally:
+    waiting = threading.Thread(target=wait_for_the_workers, name="weightsync-rendezvous")
+    waiting.start()
+    wait([made, joined], return_when=FIRST_EXCEPTION)
+    if joined.done() and joined.exception() is not None and not made.done():
+        del store  # the only reference: the store stops, and the rendezvous with it
+        waiting.join()
         joined.result()
+    try:
+        group = made.result()
+    finally:
+        joined.result()  # a worker's error over the rendezvous' own
     return group, store
 
 
