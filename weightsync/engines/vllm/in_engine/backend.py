@@ -16,7 +16,9 @@ staged while the engine keeps generating: one ``update_weights`` starts receivin
 memory in a thread (``gloo.Staging``, bounded by ``max_bytes``) and returns, a second waits for
 its END and checks every name and shape, and a third, inside the trainer's pause, loads it. A
 refused tag, a cut stream, a dead trainer or a name the engine does not load before the load
-leaves the model untouched.
+leaves the model untouched. A stage no commit claims expires (``WEIGHTSYNC_STAGE_EXPIRY_S``,
+``gloo.Staging``), and the commit claims it on every worker or on none
+(``model_ops.claim_staged``), as the worker extension's gloo stage does.
 
 Why it never raises from vLLM's four calls: vLLM's multiprocess executor stops reading replies at
 the first failed worker, so with TP>1 the other workers' replies stay queued and answer the next

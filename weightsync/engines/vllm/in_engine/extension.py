@@ -200,7 +200,8 @@ class WeightsyncWorker:
     ) -> dict:
         """Start receiving the trainer's next gloo stream in a thread (`gloo.Staging`) and
         return at once: the engine keeps generating while the bytes travel, and nothing is
-        loaded until `weightsync_commit_staged`. A stage not yet committed is dropped.
+        loaded until `weightsync_commit_staged`. A stage not yet committed is dropped; one that
+        ended and that no commit claims expires (``WEIGHTSYNC_STAGE_EXPIRY_S``, `gloo.Staging`).
         ``key`` and ``delta`` as for `weightsync_receive_gloo`; ``max_bytes``: the most this
         worker may stage."""
         if self._weightsync_group is None:
