@@ -12,6 +12,10 @@ with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at 
   (``server_lease.py``'s commit route): the trainer sends it, watches ``/is_paused`` from
   another connection and is killed as soon as the server is paused (``INSIDE`` printed first;
   ``AFTER`` if the call ended before a pause was seen);
+- ``staged-gloo`` / ``staged-wt-gloo``: over gloo, through weightsync's extension or vLLM's
+  weight-transfer API, once every worker staged the whole stream and checked it, before the
+  commit (``STAGED <unix time>`` printed first): the workers hold the stage with nobody left to
+  commit it, until its expiry (``WEIGHTSYNC_STAGE_EXPIRY_S``);
 - ``loading-wt-files`` / ``loading-wt-gloo``: through vLLM's weight-transfer API, as the
   ``update_weights`` call that loads the weights inside the trainer's pause was sent (the
   server carries the call out; ``LOADING`` printed first);
@@ -25,7 +29,8 @@ with SIGKILL -- what an OOM killer or a pre-emption does, no cleanup runs -- at 
   commit call, to its end) or ``after``, with the HTTP call in flight or last answered.
 
 It prints ``PID <pid>`` first, so the test knows whose scratch folders to look for.
-`run` starts it and `answered` is the separate client the tests ask afterwards.
+`run` starts it, `answered` is the separate client the tests ask afterwards, and
+`watch_stage` reads what the workers hold staged meanwhile.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from weightsync.engines.vllm.transports.gloo import GlooTransport
 from weightsync.engines.vllm.transports.tmpfs import TmpfsTransport
 from weightsync.errors import EngineFencedError
 from weightsync.wire import gloo
+from weightsync.wire.protocol import Outcome
 
 #: The HTTP calls of the sync being killed, as they start and end (`traced`); None: not traced.
 CALLS: list[tuple[str, str]] | None = None
@@ -166,6 +172,16 @@ def main(url: str, checkpoint: str, point: str, old: str = "") -> None:
 
         requests.Session.request = loading
         transport = transport_for(url, point.removeprefix("loading-"))
+    elif point.startswith("staged-"):
+        transport = transport_for(url, point.removeprefix("staged-"))
+        prepare = type(transport).prepare
+
+        def staged(self, rpc, buckets):  # every worker staged and checked it all, then killed
+            prepare(self, rpc, buckets)
+            print(f"STAGED {time.time()}", flush=True)
+            die()
+
+        type(transport).prepare = staged
     elif point == "committing":
         post = HTTPControl._session_post
 
@@ -183,7 +199,7 @@ def main(url: str, checkpoint: str, point: str, old: str = "") -> None:
         HTTPControl._session_post = committing
     else:
         raise SystemExit(f"unknown point {point!r}")
-    if not point.startswith("loading-"):
+    if not point.startswith(("loading-", "staged-")):
         transport = GlooTransport() if point == "streaming" else "tmpfs"
     FullSync().sync(model, VLLMServerEngine(url, transport=transport))
     raise SystemExit(f"the sync ended without reaching {point!r}")
@@ -226,6 +242,28 @@ def answered(url: str, prompts: list[list[int]], bound_s: float) -> tuple[object
     except EngineFencedError:
         tokens = "fenced"
     return tokens, time.monotonic() - start
+
+
+def staged_bytes(url: str) -> int:
+    """The bytes every worker of the server holds staged for a commit (the extension's
+    ``weightsync_staged_bytes``: its gloo stage and its weight-transfer backend's)."""
+    answers = HTTPControl(url, timeout_s=60).rpc("weightsync_staged_bytes", {})
+    return sum(int(Outcome.from_json(a).value) for a in answers)
+
+
+def watch_stage(
+    url: str, prompts: list[list[int]], until: float
+) -> list[tuple[float, int, object]]:
+    """What the workers hold staged and a separate client's greedy tokens (`answered`), read in
+    turn every half second until nothing is staged or ``until`` (a unix time) passed:
+    ``(when, bytes, tokens)`` per reading."""
+    readings = []
+    while True:
+        held = staged_bytes(url)
+        readings.append((time.time(), held, answered(url, prompts, 60.0)[0]))
+        if held == 0 or time.time() > until:
+            return readings
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -11,26 +11,32 @@ A separate client's greedy tokens must then come within a bounded time and be ex
 weights' -- or the new weights', where the load had completed -- the next honest sync (by a new
 trainer) must be exact, and nothing of the dead trainer may stay in /dev/shm. A trainer that
 is only slow inside its pause learns that the lease ran out (`PauseExpiredError`) and the
-server serves meanwhile.
+server serves meanwhile. A trainer killed once its gloo stage was complete, before its commit,
+leaves every worker holding that stage until its expiry (a short `STAGE_EXPIRY_S` here), then
+nothing; a commit that comes after the expiry is refused (`StageExpiredError`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
-from lease_trainer import answered, kill_seeds, run
+from conftest import one_per_bucket
+from lease_trainer import answered, kill_seeds, run, staged_bytes, watch_stage
 
 from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync
 from weightsync import testing as T
-from weightsync.engines import VLLMServerEngine
+from weightsync.engines import GlooTransport, VLLMServerEngine
 from weightsync.engines.vllm.server_auth import TOKEN_ENV
 from weightsync.engines.vllm.server_lease import COMMIT_PATH, PauseLease
-from weightsync.errors import PauseExpiredError
+from weightsync.errors import PauseExpiredError, StageExpiredError
 
 LEASE_S = 3.0
+#: How long the workers keep a completed stage nobody commits (``WEIGHTSYNC_STAGE_EXPIRY_S``).
+STAGE_EXPIRY_S = 6.0
 #: How long a client may wait for its answer once the trainer is dead: the lease, the
 #: middleware's tick, the recovery calls, and slack for a loaded 2-core machine.
 BOUND_S = LEASE_S + 30.0
@@ -44,7 +50,12 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lease")
     checkpoint = T.save_checkpoint(T.tiny_model("llama"), folder / "ck")
     started = VLLMServer(
-        checkpoint, folder / "server.log", env={"WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S)}
+        checkpoint,
+        folder / "server.log",
+        env={
+            "WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S),
+            "WEIGHTSYNC_STAGE_EXPIRY_S": str(STAGE_EXPIRY_S),
+        },
     )
     with serving(started):
         yield started
@@ -109,6 +120,46 @@ def test_a_trainer_killed_mid_sync_leaves_a_serving_server(server, point, serves
     finally:
         honest.close()
     assert not list(Path("/dev/shm").glob(f"weightsync-{pid}-*"))
+
+
+def test_a_stage_nobody_commits_is_dropped_after_its_expiry(server, tmp_path):
+    """A trainer SIGKILLed once every worker staged its whole gloo stream, before the commit
+    (the server never paused): the workers hold the stage (``weightsync_staged_bytes``) until
+    the expiry, then nothing, and a separate client gets the old weights throughout. A live
+    trainer whose commit comes after the expiry is refused with nothing loaded, and its next
+    sync is exact."""
+    old, new, newer = (T.tiny_model("llama") for _ in range(3))
+    for seed, model in enumerate((old, new, newer), start=50):
+        T.perturb(model, seed=seed, scale=0.2)
+    first = VLLMServerEngine(server.url)
+    FullSync().sync(old, first)
+    first.close()
+
+    said, _ = run(server.url, T.save_checkpoint(new, tmp_path / "new"), "staged-gloo")
+    ended = float(said.split("STAGED ")[1].split()[0])
+    readings = watch_stage(server.url, PROMPTS, ended + STAGE_EXPIRY_S + 30.0)
+    print([(round(when - ended, 1), held) for when, held, _ in readings])
+    assert all(tokens == greedy(old) for _, _, tokens in readings)
+    held = [b for when, b, _ in readings if when < ended + STAGE_EXPIRY_S - 0.5]
+    assert held and all(held), "the stage was not held until its expiry (or not read before it)"
+    when, last, _ = readings[-1]
+    assert last == 0, f"still {last} bytes staged {when - ended:.1f} s after the stage ended"
+
+    engine = VLLMServerEngine(server.url, transport=GlooTransport())
+    try:
+        staged = engine.stage_weights(one_per_bucket(newer, engine))
+        try:
+            assert staged_bytes(server.url) > 0
+            time.sleep(STAGE_EXPIRY_S + 1.0)
+            with pytest.raises(StageExpiredError, match="no commit claimed it within 6 s"):
+                staged.apply()
+        finally:
+            staged.drop()
+        assert answered(server.url, PROMPTS, BOUND_S)[0] == greedy(old)
+        FullSync().sync(newer, engine)
+        T.assert_matches(newer, engine)
+    finally:
+        engine.close()
 
 
 def test_a_slow_trainer_learns_its_lease_ran_out(server):

@@ -11,7 +11,9 @@ logprobs within 1e-3). Commit or nothing (issue 31): a sync failing before its l
 trainer's error, a name the engine lacks, a bucket altered after it was tagged) leaves exactly
 the old tokens, and a load failing part-way fences the server (the middleware's 503) until a
 full sync; a trainer process SIGKILLed mid-sync (``tests/lease_trainer.py``) leaves the old
-weights, the new ones whole, or a fenced server, never a mix (the servers' pause lease: `LEASE_S`).
+weights, the new ones whole, or a fenced server, never a mix (the servers' pause lease: `LEASE_S`);
+a gloo stage nobody commits is dropped after its expiry (`STAGE_EXPIRY_S`), and a commit that
+comes later is refused on every worker.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,7 @@ from conftest import (
     sparse_step,
     sync_and_check,
 )
-from lease_trainer import answered, kill_seeds, run
+from lease_trainer import answered, kill_seeds, run, staged_bytes, watch_stage
 
 from benchmarks import processes
 from benchmarks.processes import VLLMServer, serving
@@ -53,7 +56,12 @@ from weightsync.engines import (
 )
 from weightsync.engines.vllm.control import UNKNOWN_BASE
 from weightsync.engines.vllm.server_lease import FENCED_HEADER
-from weightsync.errors import BytesRejectedError, EngineFencedError, WeightMismatchError
+from weightsync.errors import (
+    BytesRejectedError,
+    EngineFencedError,
+    StageExpiredError,
+    WeightMismatchError,
+)
 from weightsync.wire import gloo
 from weightsync.wire.files import bucket_name
 from weightsync.wire.protocol import Outcome
@@ -65,6 +73,8 @@ INNERS = ("files", "gloo")
 #: The servers' pause lease: a trainer killed inside its pause (the weight-transfer API's load
 #: runs in a pause the trainer holds) leaves a server that resumes this long after its last call.
 LEASE_S = 3.0
+#: How long the workers keep a completed stage nobody commits (``WEIGHTSYNC_STAGE_EXPIRY_S``).
+STAGE_EXPIRY_S = 6.0
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -72,7 +82,10 @@ pytestmark = pytest.mark.timeout(900)
 def wt_server(checkpoint: str, log, tp: int = 1) -> VLLMServer:
     """A server running weightsync's weight-transfer backend (and weightsync's extension)."""
     args = ["--weight-transfer-config", '{"backend": "weightsync"}']
-    env = {"WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S)}
+    env = {
+        "WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S),
+        "WEIGHTSYNC_STAGE_EXPIRY_S": str(STAGE_EXPIRY_S),
+    }
     return VLLMServer(checkpoint, log, tp=tp, args=args, env=env)
 
 
@@ -291,6 +304,66 @@ def test_an_abandon_lets_the_stage_go(engines):
         staged.drop()
     assert engine.greedy_batch(T.PROMPTS, 8) == serving
     sync_and_check(FullSync(), new, engine)
+
+
+#: Who leaves the stage uncommitted: a trainer that stays silent past the expiry, then commits
+#: (TP=2: the workers' vote refuses it on both); by hand only (WEIGHTSYNC_KILL_SEEDS set), a
+#: trainer process SIGKILLed once staged (TP=1: at TP>1 vLLM's refusal of the update it left
+#: open puts the server's replies out of step, `WeightTransferTransport._start`).
+UNCOMMITTED = [
+    pytest.param(2, "silent", id="tp2-silent"),
+    *(
+        [pytest.param(1, "killed", id="tp1-killed")]
+        if "WEIGHTSYNC_KILL_SEEDS" in os.environ
+        else []
+    ),
+]
+
+
+@pytest.mark.parametrize(("tp", "who"), UNCOMMITTED)
+def test_a_stage_nobody_commits_is_dropped_after_its_expiry(engines, servers, tp, who, tmp_path):
+    """A gloo stage complete and checked on every worker, then no commit: every worker holds it
+    (``weightsync_staged_bytes``) until the expiry, then nothing, and a separate client gets the
+    old weights throughout (the server never paused). A commit after the expiry is refused on
+    every worker (`StageExpiredError`), nothing loaded; the next sync is exact."""
+    url = servers[tp].url
+    old, new = full_model(ARCH, seed=74), full_model(ARCH, seed=75)
+    engine = engines(tp, "gloo")
+    FullSync().sync(old, engine)
+    serving = [T.trainer_greedy(old, p, 8) for p in T.PROMPTS[:2]]
+    staged = None
+    if who == "silent":
+        staged = engine.stage_weights(one_per_bucket(new, engine))
+        ended = time.time()
+    else:  # its gloo group replaces the module's engines' in the server: a new one follows
+        said, _ = run(url, T.save_checkpoint(new, tmp_path / "new"), "staged-wt-gloo")
+        ended = float(said.split("STAGED ")[1].split()[0])
+    try:
+        readings = watch_stage(url, T.PROMPTS[:2], ended + STAGE_EXPIRY_S + 30.0)
+        print([(round(when - ended, 1), held) for when, held, _ in readings])
+        assert all(tokens == serving for _, _, tokens in readings)
+        # ``ended``: when the stage was known complete here, a little after the workers' END
+        held = [b for when, b, _ in readings if when < ended + STAGE_EXPIRY_S - 1.5]
+        assert held and all(held), "the stage was not held until its expiry (or not read before)"
+        assert readings[-1][1] == 0, "the stage outlived its expiry"
+        if staged is not None:
+            with pytest.raises(StageExpiredError, match="no commit claimed it within 6 s"):
+                staged.apply()
+    finally:
+        if staged is not None:
+            staged.drop()
+    assert answered(url, T.PROMPTS[:2], 60.0)[0] == serving
+    if who == "killed":
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+        transport = WeightTransferGloo(HTTPVLLMWeightSyncClient(url))
+        engine = VLLMServerEngine(url, transport=transport)
+    try:
+        sync_and_check(FullSync(), new, engine)
+        assert staged_bytes(url) == 0
+    finally:
+        if who == "killed":
+            engine.close()
 
 
 def test_a_load_failing_part_way_fences_the_server(servers):

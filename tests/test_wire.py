@@ -6,14 +6,17 @@ protocol every carrier shares (``wire.stream``), carried by a plain list."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
-from weightsync.errors import BytesRejectedError, WeightSyncError
+from weightsync.errors import BytesRejectedError, StageExpiredError, WeightSyncError
 from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
 from weightsync.wire import gloo, stream
@@ -149,6 +152,91 @@ def test_a_trainer_failure_part_way_aborts_the_workers(ranks):
     with pytest.raises(RuntimeError, match="ran out of memory"):  # the trainer's error, the cause
         gloo.send(trainer, buckets(), received)
     assert received.result() == (["a"], True)
+
+
+def test_a_join_that_fails_at_once_is_raised_at_once():
+    """The workers' join fails fast (a worker without the extension, a host it cannot reach):
+    rank 0 raises their error as soon as the join future holds it, not after its rendezvous
+    timeout, and leaves neither the store's port nor its waiting thread behind."""
+    ports: list[int] = []
+
+    def join(port: int, secret: str):
+        ports.append(port)
+        failed: Future = Future()
+        failed.set_exception(WeightSyncError("weightsync_join_gloo: no such method on worker 0"))
+        return failed
+
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="no such method on worker 0"):
+        gloo.open_group("127.0.0.1", 0, 2, 60.0, join)
+    took = time.monotonic() - start
+    print(f"raised after {took:.2f} s (rendezvous timeout 60 s)")
+    assert took < 30.0
+    assert not [t for t in threading.enumerate() if t.name == "weightsync-rendezvous"]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=5.0).close()
+
+
+def _staged(trainer, worker, sent, expire_s: float) -> gloo.Staging:
+    """``sent`` staged whole on the worker's side, its expiry ``expire_s``."""
+    stage = gloo.Staging(worker, expire_s=expire_s)
+    gloo.send(trainer, sent, None)
+    stage.wait(30.0)
+    return stage
+
+
+def test_a_stage_nobody_commits_is_dropped_after_its_expiry(ranks):
+    """A trainer that died between its stage and its commit: the worker lets the bytes go after
+    the expiry, and a commit that comes later is refused, nothing of it handed out."""
+    trainer, worker, _ = ranks
+    sent = [[("a", torch.randn(64, 64))], [("b", torch.randn(32))]]
+    stage = _staged(trainer, worker, sent, expire_s=0.3)
+    assert stage.held == (64 * 64 + 32) * 4
+    deadline = time.monotonic() + 10.0
+    while stage.held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stage.held == 0
+    with pytest.raises(StageExpiredError, match=r"no commit claimed it within 0.3 s .*STAGE_EXP"):
+        stage.claim()
+    with pytest.raises(StageExpiredError):
+        stage.wait(0.0)
+
+
+def test_a_commit_racing_the_expiry_gets_the_whole_stage_or_nothing(ranks):
+    """Claims spread around the expiry: each gets every tensor (and the stage then never
+    expires) or is refused with nothing left held -- never a stage dropped in part."""
+    trainer, worker, _ = ranks
+    sent = [[(f"w{i}", torch.full((256,), float(i)))] for i in range(4)]
+    expire_s, seen = 0.05, {"claimed": 0, "refused": 0}
+    for attempt in range(24):
+        stage = _staged(trainer, worker, sent, expire_s)
+        time.sleep(expire_s * attempt / 12)  # from at once to twice the expiry
+        try:
+            pairs = stage.claim()
+        except StageExpiredError:
+            seen["refused"] += 1
+            assert stage.held == 0
+            continue
+        seen["claimed"] += 1
+        time.sleep(2 * expire_s)  # past the expiry: a claimed stage is kept whole
+        assert [(n, t[0].item()) for n, t in pairs] == [(f"w{i}", i) for i in range(4)]
+        assert stage.held == 4 * 256 * 4
+        stage.drop()
+        assert stage.held == 0
+    print(seen)  # both, on this machine; which one each claim gets is the scheduler's call
+
+
+def test_the_stage_expiry_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(gloo.STAGE_EXPIRY_ENV, raising=False)
+    assert gloo.stage_expiry_s() == gloo.DEFAULT_STAGE_EXPIRY_S
+    monkeypatch.setenv(gloo.STAGE_EXPIRY_ENV, "2.5")
+    assert gloo.stage_expiry_s() == 2.5
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv(gloo.STAGE_EXPIRY_ENV, bad)
+        with pytest.raises(
+            ValueError, match=f"WEIGHTSYNC_STAGE_EXPIRY_S must be a positive.*{bad}"
+        ):
+            gloo.stage_expiry_s()
 
 
 # --- the stream protocol (wire.stream), whatever carries it ----------------------------------

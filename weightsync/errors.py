@@ -152,11 +152,17 @@ class PauseExpiredError(WeightSyncError, RuntimeError):
 
 class StageLostError(WeightSyncError, RuntimeError):
     """A commit named a stage the engine no longer holds: it was held uncommitted longer than
-    its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S`` in a Ray actor's environment), another sync's
-    stage replaced it, or it was dropped. The commit was refused before the engine was paused:
-    nothing of the sync was loaded, the engine serves what it did, and the base is kept. Sync
-    again (and raise the time to live if the trainer is that slow between stage and commit on
-    purpose)."""
+    its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S`` in the engine's environment), another sync's
+    stage replaced it, or it was dropped. Nothing of the sync was loaded: the engine serves what
+    it did. Sync again (and raise the expiry if the trainer is that slow between stage and
+    commit on purpose). A Ray actor refuses it before it pauses, so the base is kept."""
+
+
+class StageExpiredError(StageLostError):
+    """The `StageLostError` of a server's workers: the stage had ended whole, and no commit
+    claimed it within ``WEIGHTSYNC_STAGE_EXPIRY_S`` (``wire.gloo.Staging``), the wait of a
+    trainer that died between its stage and its commit. Nothing was loaded on any worker (every
+    worker claims, or none does)."""
 
 
 class ReplicasSplitError(WeightSyncError, RuntimeError):

@@ -27,23 +27,30 @@ whose base the worker holds travels as a DELTA frame, checked as the whole bucke
 Staging (`Staging`): a worker can receive a whole stream in a thread of its own, into host
 memory, while its engine keeps generating, and load it only once every frame and the END were
 checked. A trainer that dies or fails part-way then leaves nothing loaded: the stream is staged,
-then committed (``engines/vllm/transports/gloo.py``).
+then committed (``engines/vllm/transports/gloo.py``). A stage that completed but that no commit
+claims -- its trainer died between the END and the commit -- is dropped after
+``WEIGHTSYNC_STAGE_EXPIRY_S`` (`stage_expiry_s`), so a dead trainer's bytes do not stay in every
+worker until the next trainer comes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from ..errors import WeightSyncError
+from ..errors import StageExpiredError, WeightSyncError
 from . import format as fmt
 from . import stream
 from .delta import LoadedCopies, SentCopies
@@ -58,6 +65,35 @@ OUTCOME_BYTES = 4096
 TAG_FRAME_BYTES = 64
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+#: The engine's environment variable (a server's: its workers inherit it) holding how long a
+#: completed stage waits for its commit, in seconds (`Staging`).
+STAGE_EXPIRY_ENV = "WEIGHTSYNC_STAGE_EXPIRY_S"
+
+#: The expiry when the environment sets none. A lone trainer commits within one pause call of
+#: its stage's END (milliseconds), but a fleet (`Replicas`) commits once every replica staged,
+#: so the replica that staged first waits for the slowest one's stream: ten minutes, as long as
+#: one Ray actor call may take, bounds how long a dead trainer's bytes stay in every worker
+#: without expiring a slow fleet's stage. The same variable bounds a Ray actor's stage.
+DEFAULT_STAGE_EXPIRY_S = 600.0
+
+logger = logging.getLogger(__name__)
+
+
+def stage_expiry_s() -> float:
+    """The stage expiry this process's environment sets (`STAGE_EXPIRY_ENV`), or the default.
+
+    Raises:
+        ValueError: it is not a positive, finite number of seconds.
+    """
+    raw = os.environ.get(STAGE_EXPIRY_ENV, str(DEFAULT_STAGE_EXPIRY_S))
+    try:
+        expiry = float(raw)
+    except ValueError:
+        expiry = -1.0
+    if not 0 < expiry < math.inf:
+        raise ValueError(f"{STAGE_EXPIRY_ENV} must be a positive number of seconds, got {raw!r}")
+    return expiry
 
 
 def _group(store: Any, host: str, rank: int, size: int, timeout: timedelta, secret: str) -> Any:
@@ -81,15 +117,37 @@ def open_group(
     """Rank 0 of a group of ``size``: listen on ``host:port`` only (0: a free port), start the
     workers joining with ``join(store_port, secret)`` (a future: their RPC, which carries the
     secret, runs while this rank waits in the rendezvous), and return ``(group, store)`` (keep
-    both). A worker's error (no extension, unreachable host) is raised rather than the
-    rendezvous timeout it causes."""
+    both).
+
+    A worker's error (no extension, a host it cannot reach) is raised as soon as the join
+    future holds it, not after the rendezvous timeout it would cause: this rank waits in a
+    thread of its own, on a client of the store, and closing the store ends that wait at once
+    (the port freed, the thread gone before the error is raised)."""
+    from torch.distributed import TCPStore
+
     store = listen(host, port, timeout_s)
     secret = secrets.token_hex(16)
+    own = TCPStore(host, store.port, None, False, timeout=timedelta(seconds=timeout_s))
+    made: Future = Future()
+
+    def wait_for_the_workers() -> None:
+        try:
+            made.set_result(rendezvous(own, host, 0, size, timeout_s, secret))
+        except BaseException as e:  # noqa: BLE001 (handed over through ``made``)
+            made.set_exception(e)
+
     joined = join(store.port, secret)
-    try:
-        group = rendezvous(store, host, 0, size, timeout_s, secret)
-    finally:
+    waiting = threading.Thread(target=wait_for_the_workers, name="weightsync-rendezvous")
+    waiting.start()
+    wait([made, joined], return_when=FIRST_EXCEPTION)
+    if joined.done() and joined.exception() is not None and not made.done():
+        del store  # the only reference: the store stops, and the rendezvous with it
+        waiting.join()
         joined.result()
+    try:
+        group = made.result()
+    finally:
+        joined.result()  # a worker's error over the rendezvous' own
     return group, store
 
 
@@ -321,11 +379,24 @@ class Staging:
     any failure -- a refused frame, the trainer's ABORT, the trainer gone (gloo reports the
     closed connection), more than ``max_bytes`` -- drains the rest of the stream if it can and
     keeps the error instead of the tensors. Costs the stream's bytes in host memory until the
-    stage is loaded or dropped.
+    stage is claimed by its commit, dropped, or expires.
+
+    The expiry: once the stream ended whole, the stage waits ``expire_s`` for the commit that
+    `claim` s it; then it is dropped (its tensors let go, `StageExpiredError` kept), so a trainer
+    killed between its stage and its commit does not leave a model's bytes in every worker
+    until the next trainer comes. A lock orders the two: a claim before the expiry gets every
+    tensor and the stage no longer expires; a claim after it is refused. A worker of several
+    (TP ranks) decides alone; ``in_engine/model_ops.claim_staged`` makes the decision one for
+    every worker of an engine.
 
     Args:
         group, key, copies: as for `Receiver`.
         max_bytes: the most this stage may hold (None: no bound).
+        expire_s: how long a completed stage waits for its claim (None: `stage_expiry_s`, the
+            worker's environment).
+
+    Raises:
+        ValueError: ``expire_s`` is None and the environment's expiry is not a valid one.
     """
 
     def __init__(
@@ -335,11 +406,16 @@ class Staging:
         copies: LoadedCopies | None = None,
         *,
         max_bytes: int | None = None,
+        expire_s: float | None = None,
     ) -> None:
+        self._expire_s = stage_expiry_s() if expire_s is None else float(expire_s)
         self._receiver = Receiver(group, key, copies)
         self._max_bytes = max_bytes
         self._pairs: list[tuple[str, torch.Tensor]] = []
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # orders the claim, the drop and the expiry
+        self._claimed = self._dropped = False
+        self._timer: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="weightsync-stage", daemon=True)
         self._thread.start()
 
@@ -347,6 +423,13 @@ class Staging:
     def buckets(self) -> int:
         """Buckets received and checked so far."""
         return self._receiver.buckets
+
+    @property
+    def held(self) -> int:
+        """Bytes of tensors this stage holds now (0 once claimed and let go, dropped, expired
+        or failed)."""
+        with self._lock:
+            return sum(t.nbytes for _, t in self._pairs)
 
     def _run(self) -> None:
         held = 0
@@ -360,16 +443,40 @@ class Staging:
                     )
                 self._pairs.append((name, tensor))
         except BaseException as e:  # noqa: BLE001 (kept for `wait`; this thread ends here)
-            self._error, self._pairs = e, []
+            with self._lock:
+                self._error, self._pairs = e, []
             if not self._receiver.finished:
                 with contextlib.suppress(Exception):  # the trainer is gone: nothing to drain
                     self._receiver.drain()
+            return
+        with self._lock:
+            if self._dropped:  # let go while the bytes still came
+                self._pairs = []
+                return
+            ended = time.time()
+            self._timer = threading.Timer(self._expire_s, self._expire, (ended,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self, ended: float) -> None:
+        with self._lock:
+            if self._claimed or self._dropped:
+                return
+            self._dropped = True
+            self._pairs = []
+            self._error = StageExpiredError(
+                f"the staged sync ended at {time.strftime('%H:%M:%S', time.localtime(ended))} "
+                f"and no commit claimed it within {self._expire_s:g} s ({STAGE_EXPIRY_ENV}): "
+                "this worker dropped it; nothing of it was loaded"
+            )
+        logger.warning("weightsync: %s", self._error)
 
     def wait(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
         """The staged ``(name, tensor)`` pairs, once the END frame was received and checked.
 
         Raises:
             WeightSyncError: nothing came in ``timeout_s`` seconds.
+            StageExpiredError: the stage ended whole but expired unclaimed.
             Exception: what failed the stage (``BytesRejectedError`` for a refused frame).
         """
         self._thread.join(timeout_s)
@@ -377,13 +484,40 @@ class Staging:
             raise WeightSyncError(
                 f"the staged stream did not end within {timeout_s:g} s: nothing was loaded"
             )
-        if self._error is not None:
-            raise self._error
-        return self._pairs
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            return self._pairs
+
+    def claim(self) -> list[tuple[str, torch.Tensor]]:
+        """The staged pairs, for the commit that loads them: from here on the stage does not
+        expire (the caller lets it go with `drop` once loaded).
+
+        Raises:
+            StageExpiredError: it expired first (nothing of it is held any more).
+            Exception: what `wait` raises, without waiting.
+        """
+        self._thread.join(0.0)
+        with self._lock:
+            if self._thread.is_alive():
+                raise WeightSyncError("the staged stream has not ended: nothing was loaded")
+            if self._error is not None:
+                raise self._error
+            if self._dropped:
+                raise WeightSyncError("the stage was dropped before its commit")
+            self._claimed = True
+            if self._timer is not None:
+                self._timer.cancel()
+            return self._pairs
 
     def drop(self) -> None:
-        """Let go of the staged tensors (a thread still receiving keeps its own until it ends)."""
-        self._pairs = []
+        """Let go of the staged tensors (a thread still receiving lets go of its own when the
+        stream ends)."""
+        with self._lock:
+            self._dropped = True
+            self._pairs = []
+            if self._timer is not None:
+                self._timer.cancel()
 
 
 def gather_outcomes(group: Any, size: int, mine: Outcome) -> tuple[Any, list[torch.Tensor]]:

@@ -16,7 +16,9 @@ staged while the engine keeps generating: one ``update_weights`` starts receivin
 memory in a thread (``gloo.Staging``, bounded by ``max_bytes``) and returns, a second waits for
 its END and checks every name and shape, and a third, inside the trainer's pause, loads it. A
 refused tag, a cut stream, a dead trainer or a name the engine does not load before the load
-leaves the model untouched.
+leaves the model untouched. A stage no commit claims expires (``WEIGHTSYNC_STAGE_EXPIRY_S``,
+``gloo.Staging``), and the commit claims it on every worker or on none
+(``model_ops.claim_staged``), as the worker extension's gloo stage does.
 
 Why it never raises from vLLM's four calls: vLLM's multiprocess executor stops reading replies at
 the first failed worker, so with TP>1 the other workers' replies stay queued and answer the next
@@ -58,6 +60,7 @@ from ....wire.protocol import RELOAD_REPORT, InitInfo, Outcome, UpdateInfo
 from .model_ops import (
     abandon_layerwise_reload,
     check_loadable,
+    claim_staged,
     clear_kv_cache,
     finished_in,
     has_cpu_moe,
@@ -216,16 +219,24 @@ def _make_engine_class() -> type:
                 return
             if info.gloo and self._group is None:
                 self._fail(RuntimeError("no gloo group: init_weight_transfer_engine with a host"))
+            if info.commit:
+                self._commit_stage()
+                return
             copies = None
             if info.delta and not self._error:
                 copies = self.copies = self.copies or LoadedCopies()
                 copies.begin()
                 self._delta = info.delta
             if info.stage and not self._error:
-                self._stage = gloo.Staging(self._group, info.key, copies, max_bytes=info.max_bytes)
+                try:
+                    self._stage = gloo.Staging(
+                        self._group, info.key, copies, max_bytes=info.max_bytes
+                    )
+                except Exception as e:  # noqa: BLE001 (a bad WEIGHTSYNC_STAGE_EXPIRY_S: reported)
+                    self._fail(e)
                 return
             receiver = None
-            if info.gloo and not (info.staged or info.commit) and self._group is not None:
+            if info.gloo and not info.staged and self._group is not None:
                 receiver = gloo.Receiver(self._group, info.key, copies)
             if not self._error:
                 try:
@@ -284,19 +295,28 @@ def _make_engine_class() -> type:
 
         # -- helpers -------------------------------------------------------------------------
 
-        def _step(self, info: UpdateInfo, receiver: gloo.Receiver | None) -> None:
-            """Check (and load) one chunk: files, a stream, or the stage."""
-            if info.staged or info.commit:
-                if self._stage is None:
-                    raise RuntimeError("nothing is staged: update_weights with stage first")
-                pairs = self._stage.wait(self._timeout_s if info.staged else 0.0)
+        def _commit_stage(self) -> None:
+            """Load what is staged, claimed on every worker or on none (`claim_staged`: a stage
+            that expired unclaimed on any worker refuses the commit, nothing loaded). Every
+            worker votes, whatever its state: a worker that already failed votes no."""
+            try:
+                pairs = claim_staged(None if self._error else self._stage)
+                assert self._stage is not None  # claimed
                 self._buckets = self._stage.buckets
-                if info.staged:
-                    if self.expected:
-                        check_loadable(pairs, self.expected)
-                    return
                 self._load(iter(pairs))
                 self.drop_stage()
+            except Exception as e:  # noqa: BLE001 (reported, see the module docstring)
+                self._fail(e)
+
+        def _step(self, info: UpdateInfo, receiver: gloo.Receiver | None) -> None:
+            """Check (and load) one chunk: files, a stream, or the stage's check."""
+            if info.staged:
+                if self._stage is None:
+                    raise RuntimeError("nothing is staged: update_weights with stage first")
+                pairs = self._stage.wait(self._timeout_s)
+                self._buckets = self._stage.buckets
+                if self.expected:
+                    check_loadable(pairs, self.expected)
                 return
             if receiver is not None:
                 self._load(iter(receiver))
@@ -346,6 +366,10 @@ def _make_engine_class() -> type:
             except Exception as e:  # the trainer must restart this engine
                 logger.exception("weightsync: restoring the unfinished layers failed")
                 self._error += f"; restoring the unfinished layers failed too ({e})"
+
+        def staged_bytes(self) -> int:
+            """Bytes held staged for a commit (0: none, or dropped, or expired)."""
+            return 0 if self._stage is None else self._stage.held
 
         def drop_stage(self) -> None:
             """Let go of what is staged (a commit of this update then finds nothing)."""

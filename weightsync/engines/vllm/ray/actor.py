@@ -26,6 +26,7 @@ from ....errors import BytesRejectedError, StageLostError, WeightSyncError
 from ....wire import format as fmt
 from ....wire import scratch
 from ....wire.delta import LoadedCopies
+from ....wire.gloo import DEFAULT_STAGE_EXPIRY_S, STAGE_EXPIRY_ENV, stage_expiry_s
 from ....wire.protocol import EngineFacts, Outcome
 from ....wire.stream import Checker, Kind
 from ....wire.tags import check
@@ -49,15 +50,6 @@ __all__ = ["AsyncWeightsyncActor", "WeightsyncActor", "actor_llm"]
 #: call); the actor waits as long for each piece of a stream.
 TIMEOUT_S = 600.0
 
-#: The actor's environment variable bounding, in seconds, how long a stage is held uncommitted
-#: (read by ``weightsync_attach``; `_EngineSide.weightsync_stage_expiry_s`).
-STAGE_EXPIRY_ENV = "WEIGHTSYNC_STAGE_EXPIRY_S"
-
-#: The stage's time to live when the environment sets none: as long as one actor call may
-#: take, so the replica of a fan-out that staged first outlives the slowest replica's stage
-#: call (`Replicas` commits once every replica staged), while the bytes of a trainer that died
-#: before its commit are let go within a bound.
-DEFAULT_STAGE_EXPIRY_S = TIMEOUT_S
 
 #: The RPC names the actor answers itself (the bytes from the object store); every other name
 #: goes to vLLM's workers through ``collective_rpc`` (so none is a worker extension's name).
@@ -147,15 +139,7 @@ class _EngineSide:
                 (its control calls must run on the actor's event loop); ``WEIGHTSYNC_STAGE_EXPIRY_S``
                 set to something else than a positive number of seconds.
         """
-        raw = os.environ.get(STAGE_EXPIRY_ENV, str(DEFAULT_STAGE_EXPIRY_S))
-        try:
-            ttl = float(raw)
-        except ValueError:
-            ttl = -1.0
-        if not 0 < ttl < float("inf"):
-            raise ValueError(
-                f"{STAGE_EXPIRY_ENV} must be a positive number of seconds, got {raw!r}"
-            )
+        ttl = stage_expiry_s()  # the workers' variable and default (``wire.gloo``)
         from vllm import LLM
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.core_client import InprocClient
