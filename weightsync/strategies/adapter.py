@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..engines.base import Engine
+from ..engines.base import Attestation, Engine
 from ..errors import BaseUnprovenError
 from ..plan import Adapter, Plan, Weight
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, trained_copies
@@ -39,9 +39,9 @@ class AdapterSync(Strategy):
     restores_base = False
     default_reason = "adapter-only sync requested"
 
-    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
+    def _plan(self, model: nn.Module, engine: Engine, now: Attestation) -> Plan:
         served, copies, sent = adapter_part(model, engine)
-        base, why = adapter_base(model, engine, sent)
+        base, why = adapter_base(model, engine, sent, now)
         if base is None:
             raise BaseUnprovenError(
                 f"{self.label}: nothing was written: the adapter would land on a base it was not "
