@@ -30,9 +30,10 @@ class AdapterSync(Strategy):
     they are sent too, through the same checked weight path.
 
     Cost: the adapter's bytes (for rank 16 on a 0.5B model, about 1% of the model) plus one
-    adapter load, plus the proof: a fingerprint of each frozen base tensor (its digest is kept
-    between syncs; the first proof against an engine's own checkpoint hashes the whole base
-    once).
+    adapter load, plus the proof: a check that no frozen base tensor was written since the
+    last proof (`weightsync.strategies.proof`; a tensor written since is fingerprinted and, if
+    changed, hashed again; the first proof against an engine's own checkpoint hashes the whole
+    base once), and one attestation of the engine before planning and one before writing.
     """
 
     name = "AdapterSync"

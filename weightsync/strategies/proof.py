@@ -32,7 +32,11 @@ with near certainty; a write to a few unsampled elements alone does not. Rehashi
 base at every adapter sync would cost several times the sync itself (docs/failure-modes.md,
 row 42); a `FullSync` with ``skip_unchanged`` rehashes every frozen tensor it may skip, every
 sync, and refreshes what is kept. Where each base tensor lives is found once per model
-(`unmerged_base`), not by walking the model at every sync. A tensor on a GPU, or sharded, is
+(`unmerged_base`), not by walking the model at every sync; and the keys one proof found are
+kept with what shows a write to any of those tensors since (`_Proven`: the same checks, made
+for the whole base at once: identities, addresses, version counters, and the sampled
+elements read through kept views in one gather), so an unwritten base costs no key at all.
+A tensor on a GPU, or sharded, is
 keyed by identity and version counter alone (hashing it would need a device copy or a
 gather): there a ``.data`` write is not seen.
 """
@@ -142,7 +146,7 @@ def adapter_base(
                 "weightsync has written no base into the engine, and its own checkpoint is "
                 f"not the trainer's base: {why_not}"
             )
-    found = _kept_keys(model, base)
+    found = _kept_keys(model, base, held)
     unkeyed = [name for name, key in found.items() if key is None]
     if unkeyed:
         return None, f"the trainer's base is not frozen at {_few(unkeyed)}"
@@ -227,13 +231,22 @@ _PROVEN: weakref.WeakKeyDictionary[nn.Module, _Proven] = weakref.WeakKeyDictiona
 
 
 def _kept_keys(
-    model: nn.Module, base: list[tuple[str, torch.Tensor | None]]
+    model: nn.Module, base: list[tuple[str, torch.Tensor | None]], held: Mapping | str
 ) -> dict[str, tuple | None]:
-    """name -> `tensor_key` of each tensor of ``base`` (None: none sent as it is), as the
-    last proof of ``model`` found them while nothing shows a write to any since (`_Proven`);
-    else found again (`digest_of` rehashes only a tensor whose own fingerprint moved)."""
+    """name -> `tensor_key` of each tensor of ``base`` (None: none sent as it is): as the
+    last proof of ``model`` found them, while nothing shows a write to any since (`_Proven`)
+    and they prove ``held`` (the engine's record, or its checkpoint); else found again
+    (`digest_of` rehashes only a tensor whose own fingerprint moved). So what is kept only
+    ever accepts a base again: a refusal is always decided on keys found anew."""
     kept = _PROVEN.get(model)
-    if kept is not None and kept.still(base):
+    if (
+        kept is not None
+        and kept.still(base)
+        and (
+            not isinstance(held, Mapping)  # the checkpoint: checked apart, each proof
+            or all(key is not None and held.get(name) == key for name, key in kept.keys.items())
+        )
+    ):
         return kept.keys
     keys = {name: tensor_key(x) if x is not None else None for name, x in base}
     _PROVEN[model] = _Proven(base, keys)

@@ -15,8 +15,9 @@ reads the *trainer's* tensors instead -- every input a weight is computed from, 
 computes from them: a plain weight is the tensor cast to the engine's dtype (finite if its
 largest magnitude casts finite), a merged LoRA weight is ``W + s * B @ A``, at most
 ``max|W| + |s| * r * max|B| * max|A|`` in magnitude; only a weight whose bound does not fit the
-engine's dtype is produced here to be checked exactly. What it costs on a 0.5B model is in
-docs/benchmarks.md.
+engine's dtype is produced here to be checked exactly. An adapter's factors (hundreds of small
+tensors) are first checked together, one fused 2-norm per dtype (`_all_fit`), and one by one
+only when that cannot vouch for them. What it costs on a 0.5B model is in docs/benchmarks.md.
 
 A sharded tensor (FSDP2's ``DTensor``) is checked on this rank's shard: every rank plans, and
 `weightsync.distributed` shares any rank's refusal before anything is written. Not covered
