@@ -138,10 +138,11 @@ def build_lora_model(
     """A vLLM ``LoRAModel`` from an adapter in PEFT's on-disk form, checked as vLLM checks one
     read from a folder.
 
-    Every tensor is copied once, to CPU in the engine's LoRA dtype, as vLLM's folder loader
-    leaves it (`_copies`): vLLM later scales ``lora_b`` in place (``LoRALayerWeights.optimize``), and the
-    LRU cache re-activates an adapter from these tensors, so sharing storage with the trainer
-    would both corrupt the trainer's adapter and serve later, unsynced values.
+    Every tensor is copied once (`_copies`), to CPU in the engine's LoRA dtype, as vLLM's
+    folder loader leaves it: vLLM later scales ``lora_b`` in place
+    (``LoRALayerWeights.optimize``), and the LRU cache re-activates an adapter from these
+    tensors, so sharing storage with the trainer would both corrupt the trainer's adapter and
+    serve later, unsynced values.
     """
     from vllm.lora.lora_model import LoRAModel, _is_remote_expert_key
     from vllm.lora.peft_helper import PEFTHelper
