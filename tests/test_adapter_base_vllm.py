@@ -19,7 +19,7 @@ from conftest import ATOL, LORA, lora_model
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import VLLMEngine
-from weightsync.errors import BaseUnprovenError
+from weightsync.errors import BaseDiscardedError, BaseUnprovenError
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +146,55 @@ def test_another_base_is_refused(llm):
     refused_unwritten(AdapterSync(), other, engine, "frozen base changed")
 
 
+@pytest.mark.parametrize("write", ["data", "swapped", "one element"])
 @torch.no_grad()
-def test_a_frozen_base_rewritten_through_data_is_seen(llm):
-    """A ``.data`` write bumps no version counter: the sampled fingerprint sees it."""
+def test_a_frozen_base_rewritten_after_a_proof_is_seen(llm, write):
+    """After a proof, what it found is kept (`proof._Proven`); a write to the base since is
+    seen: through ``.data`` (no version counter moves: the sampled bytes show it), by swapping
+    the tensor's data (its address moves), or to one element no sample reads, through the
+    parameter (its version counter moves)."""
     engine = VLLMEngine(llm)
     model = lora_model("llama", seed=8, config=LORA)
     FullSync(lora="separate").sync(model, engine)
-    AdapterSync().sync(model, engine)  # proven, digests kept
+    AdapterSync().sync(model, engine)  # proven, keys kept
+    AdapterSync().sync(model, engine)  # proven again from what was kept
     w = model.base_model.model.model.layers[0].mlp.up_proj.weight
-    w.data.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9)))
+    noise = 0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
+    if write == "data":
+        w.data.add_(noise)
+    elif write == "swapped":
+        w.data = w.data + noise
+    else:
+        w.view(-1)[1] += 0.5
     refused_unwritten(AdapterSync(), model, engine, "frozen base changed")
+    syncer = Syncer(engine, train_type="lora", base_sync_done=True)
+    assert syncer.sync(model).strategy == "FullSync(lora=separate)"
+    T.assert_matches(model, engine, atol=ATOL)
+
+
+def test_a_level_2_sleep_during_an_adapter_write_is_seen_by_the_next_sync(llm):
+    """An adapter-only write moves no epoch, so its record is the attestation made before it
+    (not a second one after it): a level-2 sleep someone else makes while the adapter loads
+    lies after that epoch, and the next sync sees it -- the adapter alone is refused, the
+    Syncer restores the base."""
+    engine = VLLMEngine(llm)
+    model = lora_model("llama", seed=12, config=LORA)
+    FullSync(lora="separate").sync(model, engine)
+    load = engine.load_adapter
+
+    def load_while_another_client_sleeps_the_engine(adapter):
+        calls = load(adapter)
+        llm.sleep(level=2)
+        T.discard_weights(engine)  # what level 2 does to the weights on a GPU
+        llm.wake_up()
+        return calls
+
+    engine.load_adapter = load_while_another_client_sleeps_the_engine
+    T.perturb(model, seed=13, scale=0.3)
+    AdapterSync().sync(model, engine)
+    del engine.load_adapter
+    with pytest.raises(BaseDiscardedError):
+        AdapterSync().sync(model, engine)
     syncer = Syncer(engine, train_type="lora", base_sync_done=True)
     assert syncer.sync(model).strategy == "FullSync(lora=separate)"
     T.assert_matches(model, engine, atol=ATOL)

@@ -4,7 +4,16 @@ test_server_vllm.py and test_multiproc_vllm.py)."""
 
 from __future__ import annotations
 
-from weightsync.engines.vllm.in_engine.ledger import LOG_SIZE, Ledger, attest, note_adapter
+import torch
+
+from weightsync.engines.vllm.in_engine.ledger import (
+    _SAMPLERS,
+    LOG_SIZE,
+    Ledger,
+    attest,
+    note_adapter,
+    seal,
+)
 
 
 def test_harm_since_an_epoch_is_the_worst_logged_after_it():
@@ -61,3 +70,36 @@ def test_adapter_writes_are_counted_and_leave_the_epoch():
     note_adapter(worker)
     now = attest(worker, since=[[first["boot"], first["epoch"]]])
     assert now["adapters"] == 2 and now["epoch"] == first["epoch"] and now["harm"] == 0
+
+
+def test_the_seal_sees_writes_and_replacements_through_its_kept_views():
+    """The seal keeps where it reads a model between reports: a write in place is read through
+    its views, and a replaced parameter, parameter data or module, or an added parameter,
+    makes it find the parameters again; a recorded event drops what it kept."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.Linear(300, 2))
+    model.to(torch.bfloat16)
+    first = seal(model)
+    assert seal(model) == first and _SAMPLERS[model] is _SAMPLERS[model]
+    kept = _SAMPLERS[model]
+
+    saved = model[0].weight.data.view(-1)[0].item()
+    model[0].weight.data.view(-1)[0] = saved + 1  # through .data: no version counter moves
+    assert seal(model) != first and _SAMPLERS[model] is kept
+    model[0].weight.data.view(-1)[0] = saved
+    assert seal(model) == first
+
+    changes = [
+        lambda: setattr(model[1], "weight", torch.nn.Parameter(model[1].weight * 2)),
+        lambda: setattr(model[1].weight, "data", model[1].weight.detach() * 2),
+        lambda: model.__setitem__(1, torch.nn.Linear(300, 2).to(torch.bfloat16)),
+        lambda: model[1].register_parameter("extra", torch.nn.Parameter(torch.ones(3))),
+    ]
+    for change in changes:
+        before = seal(model)
+        change()
+        assert seal(model) != before and _SAMPLERS[model] is not kept
+        kept = _SAMPLERS[model]
+
+    Ledger(asleep=False).record(1)
+    assert model not in _SAMPLERS

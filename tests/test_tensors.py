@@ -278,6 +278,60 @@ def test_values_check_finds_every_non_finite_and_what_the_cast_overflows(held):
     check_plan(planned(lora, torch.float32, merge=True))  # the same merge fits float32
 
 
+@pytest.mark.parametrize("held", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_adapters_one_pass_check_never_passes_a_bad_factor(held):
+    """An adapter's factors are checked by one fused 2-norm per dtype (`values._all_fit`);
+    whatever that test cannot vouch for goes to the exact check, which names the factor: a
+    NaN, +inf and -inf in one factor (a sum would cancel them), squares that overflow float32
+    although every value is finite (fooling the norm: the exact check then accepts what fits),
+    a value the engine's dtype cannot hold, a factor without data."""
+    from weightsync.errors import BadValuesError
+    from weightsync.trainer.values import _all_fit, check_plan
+
+    model = get_peft_model(
+        tiny_model("llama", dtype=held), LoraConfig(r=4, target_modules=["q_proj", "down_proj"])
+    )
+    perturb(model, seed=1)
+    factor = model.base_model.model.model.layers[1].mlp.down_proj.lora_B["default"].weight
+    key = r"adapter 'default' tensor .*layers\.1\.mlp\.down_proj\.lora_B\.weight"
+
+    def planned(dtype=held):
+        served = stream.adapter(model)
+        p = plan.Plan(strategy="t", reason="t", engine="t", dtype=dtype, adapter=served)
+        return p, list(served.tensors.values())
+
+    def poisoned(values, dtype=held):
+        saved = factor.detach().clone()
+        with torch.no_grad():
+            factor.view(-1)[: len(values)] = torch.tensor(values, dtype=factor.dtype)
+        try:
+            p, tensors = planned(dtype)
+            assert not _all_fit(tensors, dtype)
+            check_plan(p)
+        finally:
+            with torch.no_grad():
+                factor.copy_(saved)
+
+    p, tensors = planned()
+    assert _all_fit(tensors, held)  # a healthy adapter: the one pass decides
+    check_plan(p)
+    inf = float("inf")
+    for values, found in (([float("nan")], "1 NaN and 0 inf"), ([inf, -inf], "0 NaN and 2 inf")):
+        with pytest.raises(BadValuesError, match=rf"{key} holds {found}"):
+            poisoned(values)
+    big = torch.finfo(held).max / 2  # its square is beyond float32 (but for float16)
+    poisoned([big, -big, big])  # every value finite and held: accepted by the exact check
+    if held != torch.float16:
+        with pytest.raises(BadValuesError, match=rf"{key} holds a value of magnitude"):
+            poisoned([big], dtype=torch.float16)  # beyond float16
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.q_proj.lora_A[
+            "default"
+        ].weight = torch.nn.Parameter(torch.empty(4, 64, device="meta", dtype=held))
+    with pytest.raises(BadValuesError, match=r"q_proj\.lora_A\.weight is on the meta device"):
+        check_plan(planned()[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_what_fits_a_dtype_is_what_torch_casts_finite(dtype):
     """The values check decides "fits the engine's dtype" by arithmetic, not a cast per tensor:

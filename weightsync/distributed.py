@@ -81,10 +81,13 @@ class _Facts(Engine):
         if self._real is not None:  # the other ranks learn the outcome when the ranks agree
             self._real.check_adapter(adapter)
 
-    def held_base(self) -> tuple[Mapping[str, tuple] | str | None, str, str]:
+    def held_base(
+        self, now: Attestation | None = None
+    ) -> tuple[Mapping[str, tuple] | str | None, str, str]:
         # The adapter's base is proven on src, against the real engine's record (the other
         # ranks learn the outcome when the ranks agree); elsewhere only what the trainer's
         # set-up says is checked (`strategies.proof`, as against an engine's checkpoint).
+        # ``now`` is the facts' attestation, not the real engine's: it asks for its own.
         if self._real is not None:
             return self._real.held_base()
         return CHECKPOINT, "", ""

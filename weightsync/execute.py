@@ -114,11 +114,13 @@ def execute(plan: Plan, engine: Engine | Any, *, started: float | None = None) -
             engine.mark_lost()  # a part-written engine holds nothing we can vouch for
         raise
     # A folder reload re-read what it holds from disk: keep no record (skipping is off once).
+    # An adapter alone moves no epoch: the check above is the engine's state after it too.
     engine.remember(
         {} if plan.reload else plan.held_after,
         restored=plan.restores_base,
         base=plan.base_after,
         source=plan.strategy,
+        after=None if plan.weights or plan.reload else now,
     )
     return SyncReport(
         strategy=plan.strategy,

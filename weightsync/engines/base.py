@@ -189,18 +189,23 @@ class Engine(EngineContract):
         restored: bool,
         base: Mapping[str, tuple] | None = None,
         source: str = "",
+        after: Attestation | None = None,
     ) -> None:
         """After a completed write: the engine holds ``held`` (name -> content key) at the
         epoch it attests now; ``restored``: every base weight was written; ``base``: the base
         the engine holds now, by `strategies.proof.base_key` (None: unknown, as after a write
-        that did not say), written by the strategy ``source``.
+        that did not say), written by the strategy ``source``. ``after``: for a write that
+        moves no epoch (an adapter alone: adapter loads leave it), the attestation
+        `check_writable` made before it, taken as the engine's state after it rather than
+        asking again; whatever else happened to the engine meanwhile lies after that epoch,
+        so the next attestation still sees it.
 
         A write that is not a restore (an adapter sync that also sends a trained head copy)
         moved the epoch itself; if the base was intact when it started (the attestation
         `check_writable` returned), the harm is measured from after it, keeping what there was
         before (a level-1 sleep)."""
         before = self._checked
-        now = self.attest()
+        now = self.attest() if after is None else after
         intact = before is not None and before.harm < 2  # the base survived up to this write
         kept = restored or (intact and now.epoch is not None)
         if restored:
@@ -218,14 +223,21 @@ class Engine(EngineContract):
         else:
             self.forget()
 
-    def held_base(self) -> tuple[Mapping[str, tuple] | str | None, str, str]:
+    def held_base(
+        self, now: Attestation | None = None
+    ) -> tuple[Mapping[str, tuple] | str | None, str, str]:
         """The base the engine holds now, as far as it is proven: ``(keys, source, "")`` --
         checkpoint name -> `strategies.proof.base_key` of what weightsync wrote, by the
         strategy ``source``, which the engine attests is still there (no harm 2 since: a
         level-1 sleep keeps it); ``(CHECKPOINT, "", "")`` when weightsync wrote nothing into
         the engine and it attests no weight write since weightsync first watched it (it
-        holds its own checkpoint); else ``(None, "", why not)``."""
-        now = self.attest()
+        holds its own checkpoint); else ``(None, "", why not)``.
+
+        ``now``: this engine's `attest` taken as the caller's plan began (the one
+        `check_writable` returned), used instead of asking again: the plan writes nothing,
+        and whatever happens to the engine after it is seen by the check `execute` makes
+        before writing."""
+        now = self.attest() if now is None else now
         if now.harm >= 2:
             return (
                 None,

@@ -336,13 +336,18 @@ class Replicas(Engine):
         restored: bool,
         base: Mapping[str, tuple] | None = None,
         source: str = "",
+        after: Attestation | None = None,
     ) -> None:
+        # ``after`` is the replicas' joint attestation: each asks for its own
         for e in self.engines:
             e.remember(held, restored=restored, base=base, source=source)
 
-    def held_base(self) -> tuple[Mapping[str, tuple] | str | None, str, str]:
+    def held_base(
+        self, now: Attestation | None = None
+    ) -> tuple[Mapping[str, tuple] | str | None, str, str]:
         """The base *every* replica holds, by its own record: the names on which all agree,
-        or the checkpoint if every replica holds its own (one stream feeds them all)."""
+        or the checkpoint if every replica holds its own (one stream feeds them all). Each
+        replica attests for itself (``now`` is the joint attestation)."""
         each = [e.held_base() for e in self.engines]
         for i, (held, _, why) in enumerate(each):
             if held is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..engines.base import Engine
+from ..engines.base import Attestation, Engine
 from ..errors import BaseUnprovenError
 from ..plan import Adapter, Plan, Weight
 from ..trainer.tensors import DEFAULT_BUCKET_BYTES, adapter, trained_copies
@@ -30,18 +30,19 @@ class AdapterSync(Strategy):
     they are sent too, through the same checked weight path.
 
     Cost: the adapter's bytes (for rank 16 on a 0.5B model, about 1% of the model) plus one
-    adapter load, plus the proof: a fingerprint of each frozen base tensor (its digest is kept
-    between syncs; the first proof against an engine's own checkpoint hashes the whole base
-    once).
+    adapter load, plus the proof: a check that no frozen base tensor was written since the
+    last proof (`weightsync.strategies.proof`; a tensor written since is fingerprinted and, if
+    changed, hashed again; the first proof against an engine's own checkpoint hashes the whole
+    base once), and one attestation of the engine before planning and one before writing.
     """
 
     name = "AdapterSync"
     restores_base = False
     default_reason = "adapter-only sync requested"
 
-    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
+    def _plan(self, model: nn.Module, engine: Engine, now: Attestation) -> Plan:
         served, copies, sent = adapter_part(model, engine)
-        base, why = adapter_base(model, engine, sent)
+        base, why = adapter_base(model, engine, sent, now)
         if base is None:
             raise BaseUnprovenError(
                 f"{self.label}: nothing was written: the adapter would land on a base it was not "

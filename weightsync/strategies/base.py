@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..engines.base import Engine, adapt
+from ..engines.base import Attestation, Engine, adapt
 from ..errors import BadArgumentError, EngineCannotRunError, WeightMismatchError
 from ..execute import SyncReport, execute
 from ..plan import Plan, Weight, content_key
@@ -72,9 +72,9 @@ class Strategy(ABC):
                 f"causal LM or a peft.PeftModel), got {_kind(model)}. Nothing was written."
             )
         engine = adapt(engine)
-        engine.check_writable(restores_base=self.restores_base, strategy=self.label)
+        now = engine.check_writable(restores_base=self.restores_base, strategy=self.label)
         refuse(engine, self.label)
-        plan = self._plan(model, engine)
+        plan = self._plan(model, engine, now)
         check_plan(plan)
         return plan
 
@@ -113,8 +113,10 @@ class Strategy(ABC):
         return report if diff is None else replace(report, verified_logprob_diff=diff)
 
     @abstractmethod
-    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
-        """Everything this strategy would write into ``engine``, checked; raise if impossible."""
+    def _plan(self, model: nn.Module, engine: Engine, now: Attestation) -> Plan:
+        """Everything this strategy would write into ``engine``, checked; raise if impossible.
+        ``now``: what the engine attested as `plan` began (`Engine.check_writable`), the state
+        the plan is made on; `execute` checks it again before writing."""
 
 
 def _kind(obj: Any) -> str:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from torch import nn
 
-from ..engines.base import Engine
+from ..engines.base import Attestation, Engine
 from ..errors import AdapterError
 from ..plan import Plan, Weight
 from ..trainer import peft_support
@@ -74,7 +74,7 @@ class FullSync(Strategy):
     def label(self) -> str:
         return f"FullSync(lora={self.lora})" if self.lora else "FullSync"
 
-    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
+    def _plan(self, model: nn.Module, engine: Engine, now: Attestation) -> Plan:
         mode = self.lora or ("separate" if engine.serves_lora else "merge")
         peft = is_peft(model)
         served = None

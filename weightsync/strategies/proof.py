@@ -32,7 +32,11 @@ with near certainty; a write to a few unsampled elements alone does not. Rehashi
 base at every adapter sync would cost several times the sync itself (docs/failure-modes.md,
 row 42); a `FullSync` with ``skip_unchanged`` rehashes every frozen tensor it may skip, every
 sync, and refreshes what is kept. Where each base tensor lives is found once per model
-(`unmerged_base`), not by walking the model at every sync. A tensor on a GPU, or sharded, is
+(`unmerged_base`), not by walking the model at every sync; and the keys one proof found are
+kept with what shows a write to any of those tensors since (`_Proven`: the same checks, made
+for the whole base at once: identities, addresses, version counters, and the sampled
+elements read through kept views in one gather), so an unwritten base costs no key at all.
+A tensor on a GPU, or sharded, is
 keyed by identity and version counter alone (hashing it would need a device copy or a
 gather): there a ``.data`` write is not seen.
 """
@@ -45,7 +49,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from ..engines.base import CHECKPOINT, Engine
+from ..engines.base import CHECKPOINT, Attestation, Engine
 from ..errors import NoCheckpointError, UnsupportedModelError
 from ..plan import Weight, digest
 from ..trainer import peft_support
@@ -122,12 +126,13 @@ def base_keys(tensors: Iterable[Weight], *, fresh: bool = False) -> dict[str, tu
 
 
 def adapter_base(
-    model: nn.Module, engine: Engine, sent: Iterable[str]
+    model: nn.Module, engine: Engine, sent: Iterable[str], now: Attestation | None = None
 ) -> tuple[dict[str, tuple] | None, str]:
     """The proof that ``engine`` holds the trainer's frozen base, for an adapter sync that also
     sends the weights named ``sent`` (its ``modules_to_save`` copies): ``(keys, "")`` with the
-    record the engine holds once the sync completed, or ``(None, why not)``."""
-    held, source, why = engine.held_base()
+    record the engine holds once the sync completed, or ``(None, why not)``. ``now``: what the
+    engine attested as the plan began (`Engine.held_base`)."""
+    held, source, why = engine.held_base(now)
     if held is None:
         return None, why
     base = unmerged_base(model, engine, set(sent))
@@ -141,7 +146,7 @@ def adapter_base(
                 "weightsync has written no base into the engine, and its own checkpoint is "
                 f"not the trainer's base: {why_not}"
             )
-    found = {name: tensor_key(x) if x is not None else None for name, x in base}
+    found = _kept_keys(model, base, held)
     unkeyed = [name for name, key in found.items() if key is None]
     if unkeyed:
         return None, f"the trainer's base is not frozen at {_few(unkeyed)}"
@@ -162,6 +167,90 @@ def adapter_base(
             )
         )
     return keys, ""
+
+
+class _Proven:
+    """The keys of the base one proof found (`_kept_keys`), and what shows a write to it since:
+    per tensor its identity, storage address, version counter, dtype, shape, strides and
+    whether it is trainable, and the bytes of `SAMPLED_ELEMENTS` elements of each
+    content-keyed tensor, read through views kept from that proof and gathered in one ``cat``
+    per dtype (what each tensor's fingerprint samples apart, for a fraction of its cost; a
+    strided tensor is fingerprinted apart). The views keep the storage they look at alive:
+    storage the trainer swaps out (``p.data = ...``) is let go at the next proof, which finds
+    its address moved."""
+
+    def __init__(self, base: list[tuple[str, torch.Tensor | None]], keys: dict) -> None:
+        self.base = base
+        self.keys = keys
+        self.state = _states(base)
+        self.views: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.strided: list[torch.Tensor] = []
+        for name, x in base:
+            key = keys.get(name)
+            if x is None or key is None or key[0] != "content" or not x.numel():
+                continue
+            if not x.is_contiguous():
+                self.strided.append(x)
+                continue
+            flat = x.detach().reshape(-1)
+            flat = flat.view(torch.uint8) if flat.element_size() == 1 else flat
+            step = max(1, len(flat) // SAMPLED_ELEMENTS)
+            self.views.setdefault(flat.dtype, []).append(flat[::step][:SAMPLED_ELEMENTS])
+        self.sample = self._sample()
+
+    def _sample(self) -> list:
+        gathered = [
+            torch.cat(views).view(torch.uint8).numpy().tobytes() for views in self.views.values()
+        ]
+        return gathered + [_fingerprint(x) for x in self.strided]
+
+    def still(self, base: list[tuple[str, torch.Tensor | None]]) -> bool:
+        """Whether ``base`` is the base these keys were found for, unwritten since."""
+        return (
+            len(base) == len(self.base)
+            and all(
+                name == kept and x is was
+                for (name, x), (kept, was) in zip(base, self.base, strict=True)
+            )
+            and _states(base) == self.state
+            and self._sample() == self.sample
+        )
+
+
+def _states(base: list[tuple[str, torch.Tensor | None]]) -> list[tuple | None]:
+    return [
+        None
+        if x is None
+        else (x.data_ptr(), x._version, x.requires_grad, x.dtype, x.shape, x.stride())
+        for _, x in base
+    ]
+
+
+# model -> the keys of its base the last proof found, and what shows a write since (`_Proven`)
+_PROVEN: weakref.WeakKeyDictionary[nn.Module, _Proven] = weakref.WeakKeyDictionary()
+
+
+def _kept_keys(
+    model: nn.Module, base: list[tuple[str, torch.Tensor | None]], held: Mapping | str
+) -> dict[str, tuple | None]:
+    """name -> `tensor_key` of each tensor of ``base`` (None: none sent as it is): as the
+    last proof of ``model`` found them, while nothing shows a write to any since (`_Proven`)
+    and they prove ``held`` (the engine's record, or its checkpoint); else found again
+    (`digest_of` rehashes only a tensor whose own fingerprint moved). So what is kept only
+    ever accepts a base again: a refusal is always decided on keys found anew."""
+    kept = _PROVEN.get(model)
+    if (
+        kept is not None
+        and kept.still(base)
+        and (
+            not isinstance(held, Mapping)  # the checkpoint: checked apart, each proof
+            or all(key is not None and held.get(name) == key for name, key in kept.keys.items())
+        )
+    ):
+        return kept.keys
+    keys = {name: tensor_key(x) if x is not None else None for name, x in base}
+    _PROVEN[model] = _Proven(base, keys)
+    return keys
 
 
 # model -> (what the paths were found for, [(checkpoint name, parameter path or "")]): the

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ..engines.base import Engine
+from ..engines.base import Attestation, Engine
 from ..errors import UnsupportedModelError
 from ..plan import Adapter, Plan
 from ..trainer import peft_support
@@ -56,7 +56,7 @@ class ReloadWeights(Strategy):
     def label(self) -> str:
         return "ReloadWeights(snapshot)" if self.snapshot_dir else "ReloadWeights(checkpoint)"
 
-    def _plan(self, model: nn.Module, engine: Engine) -> Plan:
+    def _plan(self, model: nn.Module, engine: Engine, now: Attestation) -> Plan:
         separate = is_peft(model) and engine.serves_lora
         common: dict[str, Any] = dict(
             strategy=self.label,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +84,9 @@ class Ledger:
         self.epoch += 1
         self.log.append((self.epoch, harm))
         self.seal = None  # taken again at the next report, after the event
+        # Where the seal reads is found again too: nothing of the weights is held across a
+        # sleep (a view would keep memory a level-2 sleep frees) or a reload.
+        _SAMPLERS.clear()
 
     def check_seal(self, model: Any) -> None:
         """Seal ``model``'s weights if no seal was taken since the last event; else log harm 2
@@ -115,24 +119,78 @@ class Ledger:
 def seal(model: Any) -> bytes:
     """A digest of ``SEAL_SAMPLES`` evenly spaced elements of every parameter of ``model`` (as
     stored, bytes, any dtype or device; a tensor subclass by its inner tensors) and of their
-    names: one ``take`` a tensor, so it runs at every report."""
-    names: list[str] = []
-    samples: dict[tuple[torch.dtype, Any], list[torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            continue
-        for t in _plain(p.detach()):
-            if t.numel() == 0:
-                continue
-            if t.element_size() == 1:  # fp8 and int8 kinds: ``take`` need not support them
-                t = t.view(torch.uint8)
-            t = torch.take(t, _index(t.numel(), t.device))
-            samples.setdefault((t.dtype, t.device), []).append(t)
-        names.append(name)
-    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16)
-    for group in samples.values():
-        digest.update(torch.cat(group).cpu().view(torch.uint8).numpy().tobytes())
-    return digest.digest()
+    names. It runs at every report, so where it reads is found once per model and event
+    (`_Sampler`) and kept while the model still holds the same tensors: the digest is then one
+    gather of the samples (a ``cat`` of strided views) and one hash."""
+    sampler = _SAMPLERS.get(model)
+    if sampler is None or not sampler.current():
+        sampler = _SAMPLERS[model] = _Sampler(model)
+    return sampler.digest()
+
+
+class _Sampler:
+    """Where `seal` reads ``model``: a view of the sampled elements of each plain, contiguous
+    parameter (a tensor subclass, or a strided one, is sampled anew at each digest), kept
+    while `current`: every module and parameter of the tree is the object it was, none was
+    added, and every parameter's data is where it was (``p.data = ...`` moves it). A write in
+    place is read through the views; anything else finds the parameters again."""
+
+    def __init__(self, model: Any) -> None:
+        self.same: list[tuple[dict, str, Any]] = []  # (registry, key, object it holds)
+        self.sizes: list[tuple[dict, int]] = []  # (registry, entries it holds)
+        self.placed: list[tuple[torch.Tensor, int]] = []  # (parameter, its data_ptr)
+        names: list[str] = []
+        self.views: dict[tuple[torch.dtype, Any], list[torch.Tensor]] = {}
+        self.fresh: list[torch.Tensor] = []  # sampled anew: subclasses, strided tensors
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for registry in (module._modules, module._parameters):
+                self.sizes.append((registry, len(registry)))
+                self.same += [(registry, key, held) for key, held in registry.items()]
+            for attr, p in module._parameters.items():
+                if p is None or p.device.type == "meta":
+                    continue
+                names.append(f"{prefix}.{attr}" if prefix else attr)
+                self.placed.append((p, p.data_ptr()))
+                t = p.detach()
+                if not _flat(t):
+                    self.fresh.append(p)
+                elif t.numel():
+                    view = _bytes_view(t).reshape(-1)
+                    step = max(1, (view.numel() - 1) // (SEAL_SAMPLES - 1))
+                    sample = view[::step][:SEAL_SAMPLES]
+                    self.views.setdefault((sample.dtype, sample.device), []).append(sample)
+        self.names = hashlib.blake2b("\n".join(names).encode(), digest_size=16).digest()
+
+    def current(self) -> bool:
+        return (
+            all(registry.get(key) is held for registry, key, held in self.same)
+            and all(len(registry) == n for registry, n in self.sizes)
+            and all(p.data_ptr() == ptr for p, ptr in self.placed)
+        )
+
+    def digest(self) -> bytes:
+        digest = hashlib.blake2b(self.names, digest_size=16)
+        groups = dict(self.views)
+        for p in self.fresh:
+            for t in _plain(p.detach()):
+                if t.numel():
+                    t = _bytes_view(t)
+                    sample = torch.take(t, _index(t.numel(), t.device))
+                    groups.setdefault(("fresh", sample.dtype, sample.device), []).append(sample)
+        for group in groups.values():
+            digest.update(torch.cat(group).cpu().view(torch.uint8).numpy().tobytes())
+        return digest.digest()
+
+
+def _flat(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor whose elements a strided view of its storage reaches."""
+    return type(t) is torch.Tensor and t.is_contiguous()
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its bytes for a 1-byte kind (fp8, int8: ``take`` and ``cat`` need not support
+    them)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _index(n: int, device: Any) -> torch.Tensor:
@@ -156,6 +214,7 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 _INDICES: dict[tuple[int, Any], torch.Tensor] = {}
+_SAMPLERS: weakref.WeakKeyDictionary[Any, _Sampler] = weakref.WeakKeyDictionary()
 
 
 def _model(worker: Any) -> Any:
