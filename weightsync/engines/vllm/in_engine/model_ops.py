@@ -608,8 +608,13 @@ def held_dtypes(
     number of elements; reporting one too many costs a few bytes (a weight sent in float32 into
     a bfloat16 parameter is rounded by the engine as the trainer would have), one too few a
     rounded router. A fused parameter (``qkv_proj``, ``w13_weight``) is built in the engine's
-    dtype by vLLM's linear and expert layers, so it is never reported.
+    dtype by vLLM's linear and expert layers, but its processing may convert part of it after
+    the load (vLLM-CPU's small-GEMM kernel keeps a linear's bias in float32, so a Qwen2
+    ``qkv_proj.bias`` ends float32 in a bfloat16 engine): it stands for the checkpoint names it
+    packs (``packed_modules_mapping``), so they are sent unrounded, as vLLM's own load of the
+    trainer's checkpoint into the running engine writes them.
     """
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
     by_scope: dict[tuple[str, str, int], list[str]] = {}
     for name, shape in shapes.items():
         layer = _LAYER.match(name)
@@ -620,8 +625,16 @@ def held_dtypes(
         if p.dtype == dtype or p.dtype not in _FLOATING:
             continue
         name = vllm_name.replace(".base_layer.", ".")
+        path, _, leaf = name.rpartition(".")
+        module_path, _, module = path.rpartition(".")
+        parts = [
+            f"{module_path}.{part}.{leaf}" if module_path else f"{part}.{leaf}"
+            for part in packed.get(module, ())
+        ]
         if name in shapes:
             names = [name]
+        elif parts and all(part in shapes for part in parts):
+            names = parts
         else:
             layer = _LAYER.match(name)
             names = by_scope.get(
