@@ -80,9 +80,13 @@ def worker_copies(engine) -> dict[str, str]:
 
 def trainer_digests(model, engine) -> dict[str, str]:
     """Digest of every tensor a full sync sends: the trainer's weights cast to the engine's
-    bf16, packed by the one writer and read back."""
-    state = model.state_dict()
-    bucket = [(n, state[n].detach().to(torch.bfloat16)) for n in engine.expected_weights]
+    bf16 (or to the dtype the engine holds a weight in, `EngineFacts.held`: on a CPU with AMX
+    the q/k/v biases, failure-modes row 58), packed by the one writer and read back."""
+    state, held = model.state_dict(), engine.facts.held
+    bucket = [
+        (n, state[n].detach().to(getattr(torch, held.get(n, "bfloat16"))))
+        for n in engine.expected_weights
+    ]
     return {
         n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
         for n, t in fmt.views(fmt.pack(bucket).numpy())
