@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +49,7 @@ pytest_plugins = ["pytester"]
 # removes the files: a full run left ~500 in /tmp. Every test process (and the servers, engine
 # cores and workers it starts, which inherit the environment) puts them in a folder of its own,
 # removed when the process exits.
-_RPC_DIR = tempfile.mkdtemp(prefix="weightsync-tests-rpc-")
+_RPC_DIR = tempfile.mkdtemp(prefix=f"weightsync-tests-rpc-{os.getpid()}-")
 os.environ.setdefault("VLLM_RPC_BASE_PATH", _RPC_DIR)
 atexit.register(shutil.rmtree, _RPC_DIR, True)
 
@@ -93,6 +94,7 @@ ALONE = (
     "test_multiproc_vllm.py",
     "test_weight_transfer_vllm.py",
     "test_async_rl_server_vllm.py",
+    "test_suite_hygiene.py",
 )
 
 
@@ -183,10 +185,71 @@ def _shm_entries() -> set[str]:
 def pytest_sessionstart(session: pytest.Session) -> None:
     # The controller, or the only process; not a worker, nor a session a test nests in this one.
     if not hasattr(session.config, "workerinput") and _SHM_LOG not in os.environ:
+        _clear_after_killed_runs(session)
         session.config.stash[_shm_start] = _shm_entries()
-        fd, log = tempfile.mkstemp(prefix="weightsync-tests-shm-", suffix=".log")
+        fd, log = tempfile.mkstemp(prefix=f"weightsync-tests-shm-{os.getpid()}-", suffix=".log")
+        os.write(fd, f"#started\t{time.time()}\n".encode())
         os.close(fd)
-        os.environ[_SHM_LOG] = log  # the workers, started after this, inherit it
+        # the workers, and every process the run starts (servers, engine cores, Ray nodes),
+        # inherit both
+        os.environ[_SHM_LOG] = log
+        os.environ[_RUN] = str(os.getpid())
+
+
+# --- a run killed before its end ---------------------------------------------------------------
+#
+# A run SIGKILLed as a whole (a CI job cancelled and retried, an OOM kill, a closed terminal's
+# process group) runs none of its stops: `vllm serve` servers and trainers started in sessions
+# of their own outlive it, and the ring buffers of the engines it ran stay in /dev/shm (seen at
+# the start of three sessions: 400 MiB of vLLM ring buffers and a semaphore, left by a first CI
+# attempt killed at its second minute). The run's log (named with its controller's PID) says it
+# died; the next run on the machine, at its start, stops what the dead run started (every such
+# process carries its PID in `_RUN`) and removes what it left in /dev/shm that nobody maps, and
+# says so. It does not fail for it: the leak was the dead run's, and is gone.
+
+_RUN = "WEIGHTSYNC_TESTS_RUN"
+
+
+def _clear_after_killed_runs(session: pytest.Session) -> None:
+    import signal
+
+    from benchmarks.processes import shm_mapped
+
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    for log in Path(tempfile.gettempdir()).glob("weightsync-tests-shm-*-*.log"):
+        pid = log.name.split("-")[3]
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
+            continue  # alive, or a name of another form
+        first = log.read_text().partition("\n")[0].split("\t")
+        started = float(first[1]) if first[0] == "#started" else None
+        mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+        orphans = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.pid not in mine and p.environ().get(_RUN) == pid:
+                    orphans.append(p)
+        for p in orphans:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(orphans, timeout=stretched(10))
+        left = []
+        if started is not None and not _other_test_runs():  # else: theirs and its look alike
+            mapped = shm_mapped(int(n) for n in os.listdir("/proc") if n.isdigit())
+            for name in sorted(_shm_entries() - mapped):
+                path = _SHM / name
+                with contextlib.suppress(OSError):
+                    if path.stat().st_ctime >= started and not _owned_by_another_live_process(name):
+                        shutil.rmtree(path) if path.is_dir() else path.unlink()
+                        left.append(name)
+        for rpc in Path(tempfile.gettempdir()).glob(f"weightsync-tests-rpc-{pid}-*"):
+            shutil.rmtree(rpc, ignore_errors=True)
+        log.unlink(missing_ok=True)
+        if orphans or left:
+            report.write_sep("-", f"a test run killed before its end (PID {pid}) left behind")
+            for p in orphans:
+                report.write_line(f"  process {p.pid} (stopped now)")
+            for name in left:
+                report.write_line(f"  /dev/shm/{name} (removed now)")
 
 
 @pytest.fixture(autouse=True)
@@ -219,13 +282,13 @@ def _other_test_runs() -> list[int]:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _shm_start not in session.config.stash:
         return
-    import time
-
     from benchmarks.processes import shm_mapped
 
     log = Path(os.environ.pop(_SHM_LOG))
     made_by: dict[str, set[str]] = {}
     for line in log.read_text().splitlines():
+        if line.startswith("#"):
+            continue
         name, _, test = line.partition("\t")
         made_by.setdefault(name, set()).add(test)
     log.unlink()
