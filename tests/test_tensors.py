@@ -1,6 +1,7 @@
 """The trainer-side weight stream, without an engine: names, merge math, memory, no mutation."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -276,6 +277,25 @@ def test_values_check_finds_every_non_finite_and_what_the_cast_overflows(held):
     with pytest.raises(BadValuesError, match=r"layers\.0\.mlp\.down_proj\.weight: computed"):
         check_plan(planned(lora, torch.float16, merge=True))
     check_plan(planned(lora, torch.float32, merge=True))  # the same merge fits float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_tensors_peak_is_read_exactly_from_its_bits(dtype):
+    """The value check reads a 16-bit float's magnitude bits a chunk at a time: its peak is
+    max |t| exactly, wherever it sits (in the last chunk, past a chunk's end), and any NaN or
+    inf, of either sign, anywhere, reads as NaN."""
+    from weightsync.trainer.values import _CHUNK, _largest
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(_CHUNK + 3, generator=g).to(dtype)
+    t[_CHUNK + 1] = -9.5  # the peak, negative, past the first chunk
+    assert _largest(t) == 9.5 == float(t.float().abs().max())
+    assert _largest(t[::2]) == float(t[::2].float().abs().max())  # strided: made contiguous
+    for at in (0, 5, _CHUNK, _CHUNK + 2):
+        for bad in (float("nan"), float("inf"), float("-inf"), -float("nan")):
+            u = t.clone()
+            u[at] = bad
+            assert math.isnan(_largest(u)), (at, bad)
 
 
 @pytest.mark.parametrize("held", [torch.float32, torch.bfloat16, torch.float16])

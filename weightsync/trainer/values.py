@@ -37,14 +37,12 @@ import torch
 from ..errors import BadValuesError
 from ..plan import Adapter, Plan, Weight
 
-# A bfloat16 tensor on CPU is read as float32 words, twice: ``torch.aminmax`` of bfloat16 runs
-# element by element (measured ~10x slower than on float32), while a float32 word made of two
-# bfloat16 values has the exponent of its high half, so it is NaN or inf exactly when that half
-# is not finite, and its magnitude is that half's to within one bfloat16 step (an upper bound).
-# Read at byte offsets 0 and 2 (numpy reads unaligned words), every value but the first is a
-# high half once: two vectorised reductions over the bytes, about half a memcpy of them
-# (docs/benchmarks.md). float16's exponent does not line up with float32's: its magnitude bits
-# (sign cleared) are compared instead, a chunk at a time.
+# A 16-bit float is checked on its bits, a chunk at a time: its magnitude bits (sign cleared)
+# are an integer that orders as its magnitude, and it is NaN or inf exactly when they reach the
+# exponent's all-ones pattern. Integer ops run vectorised on every device and CPU, which
+# ``torch.aminmax`` of bfloat16 does not on every CPU, in one pass (the earlier reading of
+# bfloat16 pairs as float32 words took four). The chunk's mask stays in cache; much smaller
+# chunks pay the ops' per-call cost (docs/benchmarks.md).
 _NON_FINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 _CHUNK = 1 << 20  # elements per masked chunk: the mask buffer stays in cache
 
@@ -195,11 +193,9 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _largest(t: torch.Tensor) -> float:
-    """max |t| (bfloat16 on CPU: an upper bound within one step), NaN if ``t`` holds NaN or
-    inf (16-bit) or NaN (wider), inf if a wider ``t`` holds inf and no NaN."""
-    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
-        return _largest_bf16(t.contiguous().reshape(-1))
-    if t.dtype == torch.float16:
+    """max |t|, NaN if ``t`` holds NaN or inf (16-bit) or NaN (wider), inf if a wider ``t``
+    holds inf and no NaN."""
+    if t.dtype in _NON_FINITE_BITS:
         return _largest_bits(t)
     if not t.is_floating_point():
         return float(t.abs().max())
@@ -208,23 +204,6 @@ def _largest(t: torch.Tensor) -> float:
     if lo_ != lo_ or hi_ != hi_:
         return float("nan")
     return max(-lo_, hi_)
-
-
-def _largest_bf16(flat: torch.Tensor) -> float:
-    import numpy as np
-
-    first = float(flat[0])
-    words = flat.view(torch.int16).numpy()
-    data = words.view(np.uint8)
-    n = words.size
-    peaks = [abs(first)]
-    for offset, count in ((0, n // 2), (2, (n - 1) // 2)):
-        if count:
-            view = np.frombuffer(data, dtype=np.float32, count=count, offset=offset)
-            peaks += [abs(float(view.min())), abs(float(view.max()))]
-    if any(p != p or p == float("inf") for p in peaks):
-        return float("nan")
-    return max(peaks)
 
 
 def _largest_bits(t: torch.Tensor) -> float:
