@@ -43,8 +43,8 @@ class InProcessEngines:
             llm = make_llm(
                 spec.checkpoint,
                 dtype=spec.dtype_name,
-                enable_lora=which == "lora",
-                max_lora_rank=max(RANKS),
+                enable_lora=which in ("lora", "lora16"),
+                max_lora_rank=16 if which == "lora16" else max(RANKS),
             )
             self._engines[which] = VLLMEngine(llm)
             self.log(f"[bench] engine '{which}' ready in {time.perf_counter() - t:.1f} s")

@@ -7,6 +7,9 @@ The in-process engines a row names (`benchmarks.inprocess`):
   reload, the anchors.
 - ``lora``: vLLM with ``enable_lora=True`` (max rank 64). Rows that push base + adapter, the
   adapter-only rows, the reload of the original checkpoint.
+- ``lora16``: the same at vLLM's default max rank, 16, which TRL's async trainers also pick
+  for an r16 adapter (the smallest rank vLLM accepts at or above the adapter's). vLLM zeroes an
+  adapter slot of the max rank before each install, so an r16 install costs more on ``lora``.
 - ``untied``: vLLM without LoRA on the untied twin of the model.
 
 The out-of-process rows name their own engine, the row's key (`benchmarks.servers`). The
@@ -25,7 +28,7 @@ class Row:
     key: str
     label: str
     kind: str  # "weightsync" | "anchor" | "vllm-native" | "floor"
-    engine: str | None  # "plain" | "lora" | "untied", a server row's own key, or None
+    engine: str | None  # "plain" | "lora" | "lora16" | "untied", a server row's key, or None
     model: str  # trainer model the engine must match afterwards: "dense" | "peft" | "checkpoint"
     note: str
     spec: str = "main"  # "main": the --model; "untied": its untied twin (models.UNTIED)
@@ -76,6 +79,22 @@ ROWS: list[Row] = [
         )
         for r in RANKS
     ],
+    Row(
+        "full_lora_separate_rank16",
+        "FullSync base+adapter (max rank 16)",
+        "weightsync",
+        "lora16",
+        "peft",
+        "as FullSync base+adapter, on an engine at vLLM's default max_lora_rank (16)",
+    ),
+    Row(
+        "adapter_r16_rank16",
+        "AdapterSync r16 (max rank 16)",
+        "weightsync",
+        "lora16",
+        "peft",
+        "as AdapterSync r16, on an engine at vLLM's default max_lora_rank (16)",
+    ),
     Row(
         "reload_checkpoint",
         "ReloadWeights(checkpoint)",
@@ -241,3 +260,11 @@ SERVER_ROWS = (
 )
 # Each row's time is also given over the vLLM-native row of its own model.
 NATIVE_OF = {"main": NATIVE_ROW, "untied": "vllm_reload_untied"}
+
+
+def adapter_of(key: str) -> str:
+    """The trainer's adapter a row with LoRA syncs: ``adapter_r<rank>[_...]`` its rank's, any
+    other r16."""
+    if key.startswith("adapter_r"):
+        return "r" + key.removeprefix("adapter_r").split("_")[0]
+    return "r16"

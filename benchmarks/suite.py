@@ -22,7 +22,7 @@ from .inprocess import InProcessEngines
 from .measure import measure
 from .models import ModelSpec
 from .phases import timed_sync
-from .rows import FLOOR_ROWS, SERVER_ROWS, Row
+from .rows import FLOOR_ROWS, SERVER_ROWS, Row, adapter_of
 from .servers import ServerEngines
 from .trainers import Trainers
 
@@ -77,11 +77,7 @@ class Bench:
             return one
 
         if row.model == "peft" or row.key == "reload_checkpoint":
-            trainers.peft.set_adapter(
-                f"r{row.key.removeprefix('adapter_r')}"
-                if row.key.startswith("adapter_r")
-                else "r16"
-            )
+            trainers.peft.set_adapter(adapter_of(row.key))
         k = row.key
         # FullSync rows measure a full push: skipping layers the engine already holds (frozen
         # embeddings, the frozen base of a LoRA model) would make them measure nothing.
@@ -92,7 +88,7 @@ class Bench:
             return sync(FullSync(), trainers.dense)  # skip_unchanged=True, the default
         if k == "full_lora_merge":
             return sync(FullSync(lora="merge", skip_unchanged=False), trainers.peft)
-        if k == "full_lora_separate":
+        if k.startswith("full_lora_separate"):
             return sync(FullSync(lora="separate", skip_unchanged=False), trainers.peft)
         if k.startswith("adapter_r"):
             return sync(AdapterSync(), trainers.peft)
