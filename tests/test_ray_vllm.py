@@ -245,8 +245,9 @@ def test_the_store_holds_the_only_copy_of_a_sync_on_this_node(engines, monkeypat
     """Copies per byte by construction (docs/benchmarks.md, issue 31), counted at the copying
     calls, not timed. The trainer copies nothing before Ray's put: nothing is packed, and every
     piece it puts but the header is a view of a tensor the strategy produced (each stored once:
-    a tied twin is not put twice). The actor's half, run here (this node), stages views of the
-    store: every tensor it would load lies inside the store's own buffers of its payload."""
+    a tied twin is not put twice; a fan-out puts it once per actor). The actor's half, run here
+    (this node), stages views of the store: every tensor it would load lies inside the store's
+    own buffers of its payload."""
     from ray.util.queue import Queue
 
     from weightsync.engines.vllm.ray import actor as ray_actor
@@ -273,12 +274,13 @@ def test_the_store_holds_the_only_copy_of_a_sync_on_this_node(engines, monkeypat
     monkeypatch.setattr(ray, "put", counted)
     monkeypatch.setattr(fmt, "pack", packed)
     model = full_model(ARCH, seed=41)
-    sync_and_check(FullSync(), model, a)
+    sync_and_check(FullSync(), model, Replicas(engines))  # both: the fan-out's tests follow
     monkeypatch.undo()
     assert puts and all(isinstance(p, list) for p in puts)
     tensors = [part for parts in puts for part in parts[1:]]
     assert all(part.ctypes.data in produced for part in tensors if part.nbytes)
-    assert sum(part.nbytes for part in tensors) == sum(produced.values())
+    # Each tensor produced once, put once per replica (each actor stages its own).
+    assert sum(part.nbytes for part in tensors) == len(engines) * sum(produced.values())
 
     signer = Signer()
     bucket = [(n, torch.randn(s)) for n, s in list(a.expected_weights.items())[:3]]
@@ -528,6 +530,13 @@ def test_an_asyncllm_in_an_async_actor(async_actor):
         ]
         tokens, spans = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)
         assert len(tokens) == 4 and spans and spans[-1][0] == base_label(engine.written_version)
+        # The workers viewed the staged files through mappings of that load alone: none is
+        # left mapped (RAM held) once the actor removed the folder.
+        for pid in ray.get(async_actor.pids.remote(), timeout=60)[1:]:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "/update-" not in maps, [
+                line for line in maps.splitlines() if "/update-" in line
+            ]
     finally:
         engine.close()
 
