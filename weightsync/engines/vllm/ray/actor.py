@@ -311,9 +311,9 @@ class _EngineSide:
         workers load views of their mappings of the files. It stays a copy: vLLM starts such
         workers itself (an ``AsyncLLM``'s engine core, its multiprocessing executor's
         workers), processes outside Ray that cannot read Ray's store, so the bytes reach them
-        through memory they can map. Fresh files, not kept ones (which would keep
-        the workers' mappings, one copy of the weights, in RAM between syncs): nothing of a
-        sync stays on this node once it is committed or dropped."""
+        through memory they can map. Fresh files, not kept ones (which would keep the
+        workers' mappings, one copy of the weights, in RAM between syncs): nothing of a sync
+        stays on this node once it is committed or dropped."""
         control = self._weightsync_control
         assert control is not None
 
