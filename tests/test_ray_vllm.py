@@ -209,28 +209,96 @@ def _stream(engine, entries, key):
 
 def test_a_stream_altered_in_the_store_or_cut_short_is_refused(engines):
     """A bucket whose bytes are not the trainer's is refused as it is staged; so is a stream
-    whose end does not carry the trainer's count (an entry dropped, or the end forged): nothing
-    is loaded."""
+    whose end does not carry the trainer's count (an entry dropped, or the end forged), an
+    object that is not a payload the trainer puts, and the trainer's bytes cut into pieces
+    elsewhere than at its tensors (the tag passes: the bytes are the same): nothing is
+    loaded."""
     a = engines[0]
     bucket = [(n, torch.zeros(s)) for n, s in list(a.expected_weights.items())[:2]]
     payload = fmt.pack(bucket).numpy()
     before = a.attest().epoch
-    forged = [(Kind.BUCKET, ray.put(payload), "0:" + "00" * 16), (Kind.END, 1, "1:" + "00" * 16)]
+    forged = [(Kind.BUCKET, ray.put([payload]), "0:" + "00" * 16), (Kind.END, 1, "1:" + "00" * 16)]
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         _stream(a, forged, "00" * 32)
     assert a.attest().epoch == before  # nothing loaded
 
-    for count, end, refused in [
-        (1, lambda s: "1:" + "00" * 16, "the stream's end: its bytes are not"),  # forged
-        (2, lambda s: stream.end_tag(s, 2), "ended after 1 of 2 buckets"),  # one dropped
+    parts = fmt.pieces(bucket)
+    cut = parts[1].nbytes - 2
+    moved = [parts[0], payload[len(parts[0]) :][:cut], payload[len(parts[0]) + cut :]]
+    for count, put, end, refused in [
+        (1, [payload], lambda s: "1:" + "00" * 16, "the stream's end: its bytes are not"),
+        (2, [payload], lambda s: stream.end_tag(s, 2), "ended after 1 of 2 buckets"),  # dropped
+        (1, payload, lambda s: stream.end_tag(s, 1), "not a payload the trainer puts"),
+        (1, moved, lambda s: stream.end_tag(s, 1), "pieces are not a bucket's: .* holds"),
     ]:
         signer = Signer()
-        entries = [(Kind.BUCKET, ray.put(payload), stream.bucket_tag(signer, payload))]
+        entries = [(Kind.BUCKET, ray.put(put), stream.bucket_tag(signer, payload))]
         with pytest.raises(BytesRejectedError, match=refused):
             _stream(a, [*entries, (Kind.END, count, end(signer))], signer.key_hex)
+        assert a.attest().epoch == before
     model = full_model(ARCH, seed=3)  # the next sync repairs (both: the fan-out's tests follow)
     FullSync().sync(model, Replicas(engines))
     T.assert_matches(model, Replicas(engines), atol=ATOL)
+
+
+def test_the_store_holds_the_only_copy_of_a_sync_on_this_node(engines, monkeypatch):
+    """Copies per byte by construction (docs/benchmarks.md, issue 31), counted at the copying
+    calls, not timed. The trainer copies nothing before Ray's put: nothing is packed, and every
+    piece it puts but the header is a view of a tensor the strategy produced (each stored once:
+    a tied twin is not put twice; a fan-out puts it once per actor). The actor's half, run here
+    (this node), stages views of the store: every tensor it would load lies inside the store's
+    own buffers of its payload."""
+    from ray.util.queue import Queue
+
+    from weightsync.engines.vllm.ray import actor as ray_actor
+    from weightsync.engines.vllm.ray import engine as ray_engine
+
+    a = engines[0]
+    produced: dict[int, int] = {}  # data pointer -> bytes of every tensor handed to the put
+    puts: list[list] = []
+    cut, put = ray_engine._pieces, ray.put
+
+    def recorded(buckets, limit):
+        for piece in cut(buckets, limit):
+            produced.update((t.data_ptr(), t.numel() * t.element_size()) for _, t in piece)
+            yield piece
+
+    def counted(value, **kwargs):
+        puts.append(value)
+        return put(value, **kwargs)
+
+    def packed(bucket):
+        raise AssertionError("a sync through the object store packed a bucket")
+
+    monkeypatch.setattr(ray_engine, "_pieces", recorded)
+    monkeypatch.setattr(ray, "put", counted)
+    monkeypatch.setattr(fmt, "pack", packed)
+    model = full_model(ARCH, seed=41)
+    sync_and_check(FullSync(), model, Replicas(engines))  # both: the fan-out's tests follow
+    monkeypatch.undo()
+    assert puts and all(isinstance(p, list) for p in puts)
+    tensors = [part for parts in puts for part in parts[1:]]
+    assert all(part.ctypes.data in produced for part in tensors if part.nbytes)
+    # Each tensor produced once, put once per replica (each actor stages its own).
+    assert sum(part.nbytes for part in tensors) == len(engines) * sum(produced.values())
+
+    signer = Signer()
+    bucket = [(n, torch.randn(s)) for n, s in list(a.expected_weights.items())[:3]]
+    kind, parts, tag = stream.scattered(bucket, signer)
+    ref = ray.put(parts)
+    channel = Queue(actor_options={"num_cpus": 0})
+    try:
+        channel.put((int(kind), ref, tag))
+        channel.put((int(Kind.END), 1, stream.end_tag(signer, 1)))
+        frames = ray_actor._frames(channel, stream.Checker(signer.key_hex), [])
+        (staged,) = ray_actor._checked(frames, a.expected_weights)
+    finally:
+        channel.shutdown(force=True)
+    store = [(p.ctypes.data, p.ctypes.data + p.nbytes) for p in ray.get(ref)]
+    assert all(not p.flags.writeable for p in ray.get(ref))  # Ray's read-only store buffers
+    assert all(any(lo <= t.data_ptr() < hi for lo, hi in store) for _, t in staged)
+    assert {n for n, _ in staged} == {n for n, _ in bucket}
+    assert all(torch.equal(t, dict(bucket)[n]) for n, t in staged)
 
 
 # --- the decision table, fanned out to both nodes --------------------------------------------
@@ -462,6 +530,13 @@ def test_an_asyncllm_in_an_async_actor(async_actor):
         ]
         tokens, spans = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)
         assert len(tokens) == 4 and spans and spans[-1][0] == base_label(engine.written_version)
+        # The workers viewed the staged files through mappings of that load alone: none is
+        # left mapped (RAM held) once the actor removed the folder.
+        for pid in ray.get(async_actor.pids.remote(), timeout=60)[1:]:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "/update-" not in maps, [
+                line for line in maps.splitlines() if "/update-" in line
+            ]
     finally:
         engine.close()
 
@@ -611,18 +686,18 @@ def _faulty(fault: str):
 def _forge_the_sixth_frame(monkeypatch) -> None:
     """Until ``monkeypatch.undo()``: the sixth frame of a stream has its last byte flipped
     after it was tagged, as if altered in the object store."""
-    honest, frames = stream.frame, []
+    honest, frames = stream.scattered, []
 
     def forged(bucket, signer=None, copies=None):
         made = honest(bucket, signer, copies)
         frames.append(1)
         if len(frames) != 6:
             return made
-        payload = made.payload.copy()
-        payload[-1] ^= 0x55
-        return made._replace(payload=payload)
+        last = made.pieces[-1].copy()
+        last[-1] ^= 0x55
+        return made._replace(pieces=[*made.pieces[:-1], last])
 
-    monkeypatch.setattr(stream, "frame", forged)
+    monkeypatch.setattr(stream, "scattered", forged)
 
 
 @pytest.fixture(params=["llm", "asyncllm"])

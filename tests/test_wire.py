@@ -278,6 +278,52 @@ def test_every_frame_is_checked_in_order_and_the_end_carries_the_count():
         stream.Checker().abort("oom")
 
 
+def test_a_frame_in_pieces_is_the_packed_frame_viewed_in_place():
+    """``stream.scattered`` (Ray's carrier): the pieces are the header and views of the
+    tensors' own bytes (nothing copied before the carrier's own copy), their concatenation is
+    the packed frame and its tag is the packed frame's; the receiver checks the tag over the
+    pieces and views each tensor inside its piece. Pieces that split the same bytes elsewhere
+    are refused before any tensor is read: they could be other tensors."""
+    embed = torch.randn(8, 4, dtype=torch.bfloat16)
+    bucket = [
+        ("embed.weight", embed),
+        ("head.weight", embed),  # tied: stored once, viewed under both names
+        ("b", torch.arange(3)),
+        ("empty", torch.zeros(0, 4)),
+        ("strided", torch.randn(4, 6).t()),  # not contiguous: made so, then viewed
+    ]
+    packed = fmt.pack(bucket).numpy()
+    signer = Signer()
+    kind, parts, tag = stream.scattered(bucket, signer)
+    assert kind == stream.Kind.BUCKET and len(parts) == 5  # the header, 4 stored tensors
+    assert np.array_equal(np.concatenate(parts), packed)
+    pointers = {p.ctypes.data for p in parts if p.nbytes}
+    assert {embed.data_ptr(), bucket[2][1].data_ptr()} <= pointers  # views, not copies
+    stream.Checker(signer.key_hex).bucket(kind, packed, tag)  # the packed frame's tag
+    checker = stream.Checker(signer.key_hex)
+    got = checker.pieces(kind, parts, tag)
+    checker.end(1, stream.end_tag(signer, 1))
+    assert got == parts
+    viewed = dict(fmt.pieces_views(got))
+    assert sorted(viewed) == sorted(n for n, _ in bucket)
+    assert all(torch.equal(viewed[n], t) for n, t in bucket)
+    assert {t.data_ptr() for t in viewed.values() if t.numel()} <= pointers  # in place
+    assert dict(fmt.pieces_views([packed])).keys() == viewed.keys()  # one piece: a whole file
+
+    altered = [p.copy() for p in parts]
+    altered[1][-1] ^= 1
+    with pytest.raises(BytesRejectedError, match="bucket 0 of the stream: its bytes"):
+        stream.Checker(signer.key_hex).pieces(kind, altered, tag)
+    data = np.concatenate(parts[1:])
+    cut = len(parts[1]) - 2  # the same bytes, split elsewhere: the tag passes, the split not
+    moved = [parts[0], data[:cut], data[cut : cut + len(parts[2]) + 2], *parts[3:]]
+    stream.Checker(signer.key_hex).pieces(kind, moved, tag)
+    with pytest.raises(ValueError, match="its piece holds"):
+        fmt.pieces_views(moved)
+    with pytest.raises(ValueError, match="pieces"):
+        fmt.pieces_views(parts[:-1])
+
+
 def test_a_delta_frame_is_checked_as_the_whole_bucket():
     sent, loaded = delta_mod.SentCopies(), delta_mod.LoadedCopies()
     w = torch.randn(64, 64, dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,11 @@ def size(header: bytes, places: Places) -> int:
     return len(header) + sum(n for _, _, n in places)
 
 
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a flat uint8 tensor: a view of a contiguous CPU tensor."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
+
+
 def copy_into(data: np.ndarray, places: Places) -> None:
     """Copy each tensor's bytes to its offset in ``data`` (a file's data section).
 
@@ -117,8 +122,7 @@ def copy_into(data: np.ndarray, places: Places) -> None:
     a multithreaded copy then waits on the thread sharing its core (docs/benchmarks.md);
     replicas copy from parallel threads, so it must not hold the GIL either."""
     for tensor, offset, n in places:
-        raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        data[offset : offset + n] = raw.numpy()
+        data[offset : offset + n] = _raw(tensor).numpy()
 
 
 def pack(bucket: Pairs) -> torch.Tensor:
@@ -131,28 +135,94 @@ def pack(bucket: Pairs) -> torch.Tensor:
     return payload
 
 
+def pieces(bucket: Pairs) -> list[np.ndarray]:
+    """``bucket`` as the pieces of a safetensors file, nothing copied: its header, then each
+    stored tensor's own bytes (a uint8 view; a tensor that is not a contiguous CPU tensor is
+    made one first), in file order. Their concatenation is `pack`'s bytes; for a carrier that
+    copies the pieces itself (Ray's put writes each straight into its store), so that its copy
+    is the only one. `pieces_views` reads them back.
+
+    Raises:
+        TypeError: as `layout`.
+    """
+    header, places = layout(bucket)
+    return [np.frombuffer(header, dtype=np.uint8)] + [_raw(t).numpy() for t, _, _ in places]
+
+
 def write(bucket: Pairs, path: str | Path, *, aliases: bool = True) -> None:
     """Write ``bucket`` to a new safetensors file at ``path``."""
     header, places = layout(bucket, aliases=aliases)
     with open(path, "wb", opener=owner_only) as f:
         f.write(header)
         for tensor, _, _ in places:
-            f.write(tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
+            f.write(_raw(tensor).numpy().data)
+
+
+def _header(buffer: Any) -> tuple[int, dict[str, Any], dict[str, list[str]]]:
+    """A safetensors file's header length, its tensors' entries (in file order) and aliases."""
+    length = int.from_bytes(bytes(buffer[:8]), "little")
+    header = json.loads(bytes(buffer[8 : 8 + length]))
+    others = json.loads(header.pop("__metadata__", {}).get(ALIASES_KEY, "{}"))
+    return length, header, others
+
+
+def _viewed(
+    entries: Iterable[tuple[str, dict[str, Any], torch.Tensor]], others: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, entry, raw in entries:
+        tensor = raw.view(DTYPES[entry["dtype"]]).view(entry["shape"])
+        yield name, tensor
+        for other in others.get(name, []):
+            yield other, tensor
 
 
 def views(buffer: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a safetensors file held in ``buffer`` (writable: a mapping, a received
     payload), as views into it (no copy), each also under its aliases."""
-    length = int.from_bytes(bytes(buffer[:8]), "little")
-    header = json.loads(bytes(buffer[8 : 8 + length]))
-    others = json.loads(header.pop("__metadata__", {}).get(ALIASES_KEY, "{}"))
+    length, header, others = _header(buffer)
     data = torch.frombuffer(buffer, dtype=torch.uint8)[8 + length :]
-    for name, entry in header.items():
-        start, end = entry["data_offsets"]
-        tensor = data[start:end].view(DTYPES[entry["dtype"]]).view(entry["shape"])
-        yield name, tensor
-        for other in others.get(name, []):
-            yield other, tensor
+    slices = ((n, e, data[e["data_offsets"][0] : e["data_offsets"][1]]) for n, e in header.items())
+    return _viewed(slices, others)
+
+
+def pieces_views(parts: Sequence[np.ndarray]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the safetensors file that ``parts`` make (`pieces`), each a view into its
+    own piece (no copy), each also under its aliases; one piece is a whole file (`views`).
+
+    Raises:
+        ValueError: the pieces do not split the file where `pieces` does (the header alone,
+            then one piece per tensor, in file order), before any tensor is yielded: read
+            otherwise, the same bytes could be other tensors than the file's.
+    """
+    if len(parts) == 1:
+        return views(parts[0])
+    length, header, others = _header(parts[0])
+    if parts[0].nbytes != 8 + length or len(parts) != len(header) + 1:
+        raise ValueError(
+            f"{len(parts)} pieces (a header of {parts[0].nbytes} bytes) for a file of "
+            f"{len(header)} tensors and a header of {8 + length} bytes"
+        )
+    end = 0
+    for (name, entry), part in zip(header.items(), parts[1:], strict=True):
+        start, stop = entry["data_offsets"]
+        if start != end or part.nbytes != stop - start:
+            raise ValueError(
+                f"{name}: its piece holds {part.nbytes} bytes at offset {end}, the header "
+                f"places it at [{start}, {stop})"
+            )
+        end = stop
+    return _viewed(
+        ((n, e, _bytes(p)) for (n, e), p in zip(header.items(), parts[1:], strict=True)), others
+    )
+
+
+def _bytes(part: np.ndarray) -> torch.Tensor:
+    """``part`` as a uint8 tensor sharing its memory (torch cannot view an empty buffer)."""
+    return (
+        torch.frombuffer(part, dtype=torch.uint8)
+        if part.nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
 
 
 def read(

@@ -18,6 +18,7 @@ frames, and how an abort reaches the receiver, is the carrier's; this module imp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import NamedTuple, NoReturn
 
@@ -83,6 +84,39 @@ def frame(
     return Frame(Kind.DELTA, delta.to_bytes(), tag)
 
 
+class Pieces(NamedTuple):
+    """One bucket as it travels in pieces (`scattered`): its kind, the pieces, its tag."""
+
+    kind: Kind
+    pieces: list[np.ndarray]
+    tag: str
+
+
+def scattered(
+    bucket: fmt.Pairs, signer: Signer | None = None, copies: SentCopies | None = None
+) -> Pieces:
+    """`frame`, for a carrier that copies a payload given in pieces itself (Ray's object
+    store): a BUCKET frame is ``format.pieces`` -- its header, then views of the tensors' own
+    bytes, not copied here -- and its tag is `frame`'s, over their concatenation (the bytes
+    `frame` would pack). With ``copies``, `frame`'s frame in one piece (the sent copies are
+    whole buckets, packed anyway).
+
+    Raises:
+        ValueError: as `frame`.
+    """
+    if copies is not None:
+        made = frame(bucket, signer, copies)
+        return Pieces(made.kind, [made.payload], made.tag)
+    parts = fmt.pieces(bucket)
+    if signer is None:
+        return Pieces(Kind.BUCKET, parts, "")
+    return Pieces(Kind.BUCKET, parts, signer.sign(header(Kind.BUCKET, _size(parts)), *parts))
+
+
+def _size(parts: Sequence[np.ndarray]) -> int:
+    return sum(p.nbytes for p in parts)
+
+
 class Checker:
     """The receiver's half: checks each frame of one stream, in order, before its bytes are
     used.
@@ -124,6 +158,25 @@ class Checker:
                 self.copies.keep(self.count, payload, tag)
         self.count += 1
         return payload
+
+    def pieces(self, kind: int, parts: Sequence[np.ndarray], tag: str) -> list[np.ndarray]:
+        """`bucket` for a frame whose payload came in pieces (`scattered`): a BUCKET's tag is
+        checked over the pieces in order, which are returned as they came (nothing copied: a
+        reader views them, ``format.pieces_views``). A DELTA frame, or a BUCKET kept in
+        ``copies``, is one whole buffer (joined here if it came in more pieces).
+
+        Raises:
+            BytesRejectedError: as `bucket`.
+        """
+        if kind != Kind.BUCKET or self.copies is not None:
+            whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            return [self.bucket(kind, whole, tag)]
+        if self.key:
+            what = f"bucket {self.count} of the stream"
+            frame_header = header(Kind.BUCKET, _size(parts))
+            check(self.key, tag, what, frame_header, *parts, expect=self.count)
+        self.count += 1
+        return list(parts)
 
     def _patched(self, what: str, payload: np.ndarray, tag: str) -> np.ndarray:
         if self.copies is None or not self.key:

@@ -105,15 +105,16 @@ class WeightsyncWorker:
     ) -> dict:
         """Load the bucket files the trainer wrote to ``folder`` (tmpfs transport): the kept
         ``files``, read through mappings held between syncs, or every file of a folder written
-        for this sync alone (``files`` None: its bucket files, in order). With ``key``, every
-        file is checked against its tag (``wire.tags``) before the first is loaded: a file
-        someone else rewrote refuses the sync with nothing loaded."""
+        for this sync alone (``files`` None: its bucket files, in order), read through
+        mappings of this load alone (views, not a copy; unmapped once the reload let go of
+        them, so nothing of the folder stays in RAM after its writer removes it). With
+        ``key``, every file is checked against its tag (``wire.tags``), through the mapping it
+        is then loaded from, before the first is loaded: a file someone else rewrote refuses
+        the sync with nothing loaded."""
         try:
             if files is None:
                 names = sorted(p.name for p in Path(folder).glob("bucket-*.safetensors"))
-                if key:
-                    check_files(folder, names, key, tags or [])
-                stream = fmt.read(Path(folder) / n for n in names)
+                stream = MappedFiles().read(folder, names, key, tags)
             else:
                 if self._weightsync_mapped is None:
                     self._weightsync_mapped = MappedFiles()

@@ -305,7 +305,15 @@ class _EngineSide:
         """Stage checked buckets for workers in other processes (a multiprocess engine core,
         tensor parallel workers, an ``AsyncLLM``): files in a fresh RAM folder on this node
         (`TmpfsTransport.prepare`, written as the frames come, tagged anew for the workers,
-        which check them before loading any), removed when the stage is dropped."""
+        which check them before loading any), removed when the stage is dropped.
+
+        The one copy on this side is the files' write, from views of the object store; the
+        workers load views of their mappings of the files. It stays a copy: vLLM starts such
+        workers itself (an ``AsyncLLM``'s engine core, its multiprocessing executor's
+        workers), processes outside Ray that cannot read Ray's store, so the bytes reach them
+        through memory they can map. Fresh files, not kept ones (which would keep the
+        workers' mappings, one copy of the weights, in RAM between syncs): nothing of a sync
+        stays on this node once it is committed or dropped."""
         control = self._weightsync_control
         assert control is not None
 
@@ -431,13 +439,14 @@ class _EngineSide:
         import ray
 
         try:
-            payload = ray.get(ref)
+            what = "the adapter from the object store"
+            parts = _parts(ray.get(ref), what)
             if key:
-                check(key, tag, "the adapter from the object store", payload)
+                check(key, tag, what, *parts)
             if self._weightsync_adapters is None:
                 self._weightsync_adapters = scratch.scratch_dir(self, "adapters")
             folder = self._weightsync_adapters / f"adapter-v{int(version):06d}"
-            fmt.write_adapter(folder, _views(payload), json.loads(config))
+            fmt.write_adapter(folder, _views(parts), json.loads(config))
             for old in sorted(folder.parent.glob("adapter-v*"))[: -max(2, int(keep))]:
                 shutil.rmtree(old, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
@@ -458,14 +467,15 @@ class _Stage(NamedTuple):
     id: str
 
 
-def _frames(channel: Any, checker: Checker, refs: list[Any] | None) -> Iterator[np.ndarray]:
+def _frames(channel: Any, checker: Checker, refs: list[Any] | None) -> Iterator[list[np.ndarray]]:
     """The payloads of the stream the trainer puts through ``channel``, each fetched from the
-    object store (from another node Ray pulls it here) and checked (a delta: patched into the
-    kept copy first) before it is yielded; the END's count is checked, the trainer's ABORT
-    raised. Each payload's reference goes to ``refs`` (if given): the trainer lets go of its
-    own once the stage is done, and Ray frees an object nobody references. The channel carries
-    ``(kind, ref, tag)`` for a BUCKET or DELTA frame (its payload in the store),
-    ``(END, count, tag)``, or ``(ABORT, why)``."""
+    object store (from another node Ray pulls it here; on this node its pieces are read-only
+    views of the store, nothing copied) and checked (a delta: patched into the kept copy
+    first) before it is yielded; the END's count is checked, the trainer's ABORT raised. Each
+    payload's reference goes to ``refs`` (if given): the trainer lets go of its own once the
+    stage is done, and Ray frees an object nobody references. The channel carries ``(kind,
+    ref, tag)`` for a BUCKET or DELTA frame (its payload in the store, `stream.scattered`'s
+    pieces), ``(END, count, tag)``, or ``(ABORT, why)``."""
     import ray
 
     while True:
@@ -478,11 +488,30 @@ def _frames(channel: Any, checker: Checker, refs: list[Any] | None) -> Iterator[
         kind, ref, tag = frame
         if refs is not None:
             refs.append(ref)
-        yield checker.bucket(kind, ray.get(ref, timeout=TIMEOUT_S), tag)
+        parts = _parts(ray.get(ref, timeout=TIMEOUT_S), f"bucket {checker.count} of the stream")
+        yield checker.pieces(kind, parts, tag)
+
+
+def _parts(payload: Any, what: str) -> list[np.ndarray]:
+    """``payload`` as the trainer puts it: a list of byte arrays (``stream.scattered``).
+
+    Raises:
+        BytesRejectedError: it is something else (not the trainer's); nothing was loaded.
+    """
+    if isinstance(payload, list) and payload and all(_is_bytes(p) for p in payload):
+        return payload
+    raise BytesRejectedError(
+        f"{what}: not a payload the trainer puts (a list of byte arrays) but "
+        f"{type(payload).__name__}: nothing of it was loaded"
+    )
+
+
+def _is_bytes(part: Any) -> bool:
+    return isinstance(part, np.ndarray) and part.dtype == np.uint8 and part.ndim == 1
 
 
 def _checked(
-    payloads: Iterable[np.ndarray], expected: Mapping[str, tuple[int, ...]]
+    payloads: Iterable[list[np.ndarray]], expected: Mapping[str, tuple[int, ...]]
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Each payload's tensors (`_views`), once each is known to be a weight the engine loads,
     at its shape (`check_loadable`)."""
@@ -492,13 +521,21 @@ def _checked(
         yield pairs
 
 
-def _views(payload: np.ndarray) -> list[tuple[str, torch.Tensor]]:
-    """The payload's tensors as views into its bytes. Ray hands the payload out read-only; the
-    reload only reads it (it copies into the parameters), so torch's warning about a
-    non-writable buffer is silenced here."""
+def _views(parts: list[np.ndarray]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a payload's pieces (``format.pieces_views``) as views into them. Ray
+    hands them out read-only; the reload only reads them (it copies into the parameters), so
+    torch's warning about a non-writable buffer is silenced here.
+
+    Raises:
+        BytesRejectedError: the pieces do not split the file at its tensors (checked before
+            any tensor is viewed); nothing was loaded.
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return list(fmt.views(payload))
+        try:
+            return list(fmt.pieces_views(parts))
+        except ValueError as e:
+            raise BytesRejectedError(f"a payload's pieces are not a bucket's: {e}") from e
 
 
 class WeightsyncActor(_EngineSide):

@@ -150,10 +150,12 @@ class RayControl(Control):
 
 class RayObjectStoreTransport(Transport):
     """Buckets through Ray's object store, staged on the actor, then committed: each piece
-    packed and tagged here as a ``wire.stream`` frame, ``ray.put``, its reference sent through
+    tagged here as a ``wire.stream`` frame and ``ray.put`` as its header and the tensors' own
+    bytes (``stream.scattered``: Ray's put, which writes them into the store, is the only copy
+    on this side; a delta sync packs, its copies being whole buckets), its reference sent through
     a channel (a Ray queue: a synchronous actor runs one call at a time, so its stage call,
     once running, is handed more references this way) to the actor's stage call, which fetches
-    and checks it while this side packs the next and holds it (`WeightsyncActor`); the apply,
+    and checks it while this side puts the next and holds it (`WeightsyncActor`); the apply,
     inside the engine's pause, is one call: the actor's load of what it staged.
 
     Args:
@@ -164,7 +166,7 @@ class RayObjectStoreTransport(Transport):
             weights stays on each side between syncs); needs ``tagged``.
         piece_bytes: the most bytes one payload carries (a strategy's bucket is cut into
             pieces of whole tensors; a larger tensor travels alone): the grain at which
-            packing here, Ray's transfer and the actor's checks overlap.
+            the put here, Ray's transfer and the actor's checks overlap.
         max_stage_bytes: the most bytes one sync may put in the object store (None: no
             bound); a larger sync is refused with nothing loaded, before the piece that would
             pass it is put. What a stage holds until its commit (docs/ray.md): the synced bytes
@@ -274,16 +276,18 @@ class RayObjectStoreTransport(Transport):
                     if staging.done():
                         break  # the actor stopped early: its error is raised below
                     with timing.span("serialize"):
-                        kind, payload, tag = stream.frame(piece, signer, self._copies)
-                        put += payload.nbytes
+                        kind, parts, tag = stream.scattered(piece, signer, self._copies)
+                        put += sum(p.nbytes for p in parts)
                         if self.max_stage_bytes is not None and put > self.max_stage_bytes:
                             raise WeightSyncError(
                                 f"this sync puts more than the {self.max_stage_bytes} bytes "
                                 "RayObjectStoreTransport may stage (max_stage_bytes): "
                                 "nothing was loaded"
                             )
-                        # put copies the payload into the store: a kept one may change after
-                        refs.append(ray.put(payload))
+                        # The one copy here: put writes each piece (a view of a tensor's
+                        # own bytes, pickled out of band) straight into the store, after
+                        # which the tensors may change.
+                        refs.append(ray.put(parts))
                     _put(channel, (int(kind), refs[-1], tag))
                 else:
                     end = stream.end_tag(signer, len(refs)) if signer else ""
@@ -329,9 +333,9 @@ class RayObjectStoreTransport(Transport):
 
         signer = signer_for(self.tagged)
         with timing.span("serialize"):
-            payload = fmt.pack(list(tensors.items())).numpy()
-            tag = signer.sign(payload) if signer is not None else ""
-            ref = ray.put(payload)
+            parts = fmt.pieces(list(tensors.items()))  # copied once, by put, into the store
+            tag = signer.sign(*parts) if signer is not None else ""
+            ref = ray.put(parts)
         kwargs: dict[str, Any] = {
             "ref": ref,
             "version": version,
