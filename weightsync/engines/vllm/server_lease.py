@@ -24,9 +24,14 @@ inside it -- OOM-killed, pre-empted, SIGKILLed -- never resumes, and without the
 generates nothing until another trainer comes (measured: 60 s and more). With it, a pause nobody
 completes ends by itself: once no weightsync call has reached the server for
 ``WEIGHTSYNC_PAUSE_LEASE_S`` seconds (default `DEFAULT_LEASE_S`) and none is in flight, the
-middleware has every worker restore the layers a write left unfinished (``weightsync_abandon``,
-as the trainer's own recovery does), resets the prefix cache and resumes. The server then
-serves what its workers hold.
+middleware has every worker settle what the trainer left (``weightsync_settle``): a
+weight-transfer update whose load ended on every worker without an error and covered every
+weight the engine loads -- its trainer killed once the load call was sent -- is finished by
+vLLM's own finish, run in the workers, so the new weights are served whole; anything else is
+abandoned as the trainer's own recovery does (the layers a write left unfinished restored,
+those it finished reported, which fences) and an update left open is closed. It then labels
+what the workers hold (their attested version, or ``unknown`` while fenced), resets the prefix
+cache and resumes.
 
 Why here: the pause lives in vLLM's engine core, which weightsync's code cannot reach on its
 own (its worker extension runs below the core, in the workers, and the core runs one call at a
@@ -382,8 +387,11 @@ class PauseLease:
                 await self._expire(engine, self.held, quiet)
 
     async def _expire(self, engine: Any, lease: str, quiet: float) -> None:
-        """Restore unfinished layers, reset the prefix cache, resume; a server whose workers
-        cannot be restored is left paused (never resume a broken engine) and says so."""
+        """End what the pause's trainer left (``weightsync_settle``: a weight-transfer update it
+        loaded whole is finished by vLLM's own finish, anything else is abandoned -- unfinished
+        layers restored, finished ones reported, which fences -- and the update closed), label
+        what the workers hold (`_label`), reset the prefix cache, resume; a server whose
+        workers cannot be restored is left paused (never resume a broken engine) and says so."""
         self.held = None
         self._expired[lease] = time.time()
         while len(self._expired) > 64:
@@ -396,13 +404,18 @@ class PauseLease:
             self.lease_s,
         )
         try:
-            results = await engine.collective_rpc("weightsync_abandon")
+            results = await engine.collective_rpc("weightsync_settle")
             self.note(results)  # a write the pause left unfinished with layers done: a mix
             failed = [
                 r.get("error") for r in results or [] if isinstance(r, dict) and r.get("error")
             ]
             if failed:
-                raise RuntimeError(f"weightsync_abandon failed: {failed}")
+                raise RuntimeError(f"weightsync_settle failed: {failed}")
+            finished = bool(results) and all(
+                isinstance(r, dict) and (r.get("value") or {}).get(REPORT, {}).get("complete")
+                for r in results
+            )
+            label = await self._label(engine)
             await engine.reset_prefix_cache(reset_running_requests=True)
             await engine.resume_generation()
         except Exception:
@@ -411,7 +424,39 @@ class PauseLease:
                 "(restart it, or sync it fully and resume)"
             )
             return
-        logger.warning("weightsync: resumed on the weights the workers hold")
+        if finished:
+            logger.warning(
+                "weightsync: finished the weight update its trainer had loaded whole (every "
+                "weight of the engine) and left unfinished; resumed on it, labelled %s",
+                label,
+            )
+        else:
+            logger.warning("weightsync: resumed on the weights the workers hold (%s)", label)
+
+    async def _label(self, engine: Any) -> str:
+        """Give vLLM the label of what the workers hold as the expired pause ends: their
+        attested version (``control.version_label``, the base part), as the trainer's commit
+        labels after a write, or `control.UNKNOWN_BASE` while fenced (a mix, as the trainer's
+        recovery labels it). At every expiry, not only after a finish run here: a trainer
+        killed after its write completed but before its label (its finish, or its version
+        read, in flight) left the label of the weights before it on the new ones. The label
+        it returns, before the engine resumes: no token of the new weights carries the old."""
+        from ...wire.protocol import Outcome, raise_failures
+        from .control import UNKNOWN_BASE, attestation, base_label, version_label
+
+        label = UNKNOWN_BASE
+        if self.fence is None:
+            asleep = await engine.is_sleeping()
+            answers = await engine.collective_rpc(
+                "weightsync_attest", kwargs={"since": None, "asleep": asleep}
+            )
+            outcomes = [Outcome.from_json(a) for a in answers]
+            raise_failures("weightsync_attest", outcomes)
+            version = version_label(attestation([o.value for o in outcomes]).epoch)
+            assert version is not None  # an attested epoch always has a label
+            label = base_label(version)
+        await engine.update_weight_version(label)
+        return label
 
 
 def _header(scope: Scope, name: str) -> str | None:

@@ -32,6 +32,11 @@ refuses to generate until a full sync) or, after a success, whether every weight
 was loaded (which lifts that fence). Layers a failed load finished are reported once, there or
 by the next ``weightsync_abandon`` (a pause lease that expires after the trainer died).
 
+A trainer killed once its load call was sent leaves an update loaded but never finished; the
+server's pause lease settles it (the worker extension's ``weightsync_settle``): finished by
+vLLM's own finish when every worker's load was whole (`loaded_whole`), given up otherwise
+(`give_up`, then closed).
+
 Registration: the backend must be registered in every worker process before vLLM builds it
 (``Worker.load_model``). The worker extension calls `register_when_vllm_loads` when vLLM imports
 it in each worker (``--worker-extension-cls``), which registers without importing vLLM first.
@@ -287,6 +292,38 @@ def _make_engine_class() -> type:
                 complete = bool(self.expected) and self._loaded.issuperset(self.expected)
                 report = {"complete": complete}
             return Outcome(error=self._error, rank=self.rank, value={RELOAD_REPORT: report})
+
+        def loaded_whole(self) -> bool:
+            """Whether this update's load ended without an error and covered every weight the
+            engine loads (``expected``: unknown, or a name missing, is not whole) and nothing
+            has finished or given the update up yet: what only the finish is missing to be a
+            full restore (``WeightsyncWorker.weightsync_settle`` finishes it for a trainer that
+            died after its load)."""
+            return (
+                self._reloading
+                and not self._error
+                and not self._finished
+                and bool(self.expected)
+                and self._loaded.issuperset(self.expected)
+            )
+
+        def give_up(self) -> None:
+            """This update is given up (``weightsync_abandon``, which restored every layer its
+            load left unfinished): the stage goes; the kept copies of a delta update go too
+            (a stage or a load patched them for a sync that will not complete: the next is
+            sent whole); and a load that began can no longer be finished -- the finish then
+            leaves the model as the abandon did instead of finalizing a reload that is no
+            longer there, and the outcome says the update failed. A finished update is past
+            giving up: only its stage (none) goes."""
+            self.drop_stage()
+            if self._finished:
+                return
+            if self._delta and self.copies is not None:
+                self.copies.clear()
+            self._delta = ""
+            if self._reloading:
+                self._reloading = False
+                self._error = self._error or "RuntimeError: the update was abandoned unfinished"
 
         def take_written(self) -> list[str]:
             """The layers failed loads had finished (a mix) that no report has named yet."""

@@ -367,18 +367,57 @@ class WeightsyncWorker:
         which layers it had finished (``wire.protocol.RELOAD_REPORT``, which fences a server
         when any were), the layers failed loads of weightsync's weight-transfer backend
         finished included when no report named them yet (their trainer died first). The
-        backend's stage goes too: whoever abandons -- a pause lease that expired, a trainer's
-        recovery, a trainer closing an update another left open -- gives its update up, and the
-        bytes a dead trainer staged are let go now rather than at the next trainer's update."""
+        backend's update is given up with it (``give_up``): whoever abandons -- a pause lease
+        that expired, a trainer's recovery -- ends it, the bytes a dead trainer staged are let
+        go now rather than at the next trainer's update, and a finish that comes later leaves
+        the model as the abandon did."""
         try:
             report = model_ops.abandon(self)
             if (engine := self._weightsync_backend()) is not None:
-                engine.drop_stage()
+                engine.give_up()
                 written = report[RELOAD_REPORT]["written"]
                 written[:] = sorted({*written, *engine.take_written()})
             return self._weightsync_outcome(value=report)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
+
+    def weightsync_settle(self) -> dict:
+        """End what a trainer that is gone left in this engine (a pause lease that expired,
+        ``server_lease.py``; a trainer finding a weight-transfer update another left open,
+        ``WeightTransferTransport._start``), on the engine's side alone.
+
+        A weight-transfer update whose load ended on every worker without an error and
+        covered every weight the engine loads (``loaded_whole``: a full restore that only
+        lacks its finish -- its trainer was killed once its load call was sent) is finished by
+        vLLM's own ``finish_weight_update`` on this worker, as the trainer's call would have:
+        the backend finalizes the reload (and clears the KV cache), vLLM marks the update
+        closed and resets its LoRA state, the ledger records the write. The value is then the
+        update's outcome (`RELOAD_REPORT` ``complete``, which lifts a server's fence; a finish
+        that failed reports its error and the layers it had finished, which fence). The
+        workers vote first (`model_ops.every_worker`): one worker that is not whole (an
+        error, a name it did not load, no load at all, its coverage unknown) and none
+        finishes, so no engine is finished on some ranks only. Otherwise: `weightsync_abandon`
+        (the layers a load finished keep their new weights and are reported: fenced), and an
+        update left open is closed with nothing more loaded, so the next trainer finds it
+        closed (at TP>1 vLLM's refusal of a new update while one is open puts its replies out
+        of step)."""
+        engine = self._weightsync_backend()
+        open_update = bool(getattr(self, "_weight_update_active", False))
+        try:
+            whole = open_update and engine is not None and bool(engine.loaded_whole())
+        except Exception:  # noqa: BLE001 (a worker that cannot tell votes no, as it must vote)
+            whole = False
+        whole = model_ops.every_worker(whole)
+        try:
+            if not whole:
+                abandoned = self.weightsync_abandon()
+                if open_update and not abandoned["error"]:
+                    self.finish_weight_update()  # type: ignore[attr-defined]
+                return abandoned
+            self.finish_weight_update()  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 (returned: the lease leaves the engine paused)
+            return self._weightsync_outcome(e)
+        return dict(engine.outcome().to_json())
 
 
 # vLLM builds its weight-transfer backend in every worker, by name, before the first load: the

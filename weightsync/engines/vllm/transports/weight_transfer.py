@@ -144,9 +144,10 @@ class WeightTransferTransport(Transport):
 
     def _start(self, rpc: Rpc) -> None:
         """``start_weight_update``; if a trainer that died mid-update left its update open (vLLM
-        then refuses a new one), restore what it left unfinished (``weightsync_abandon``, which
-        also reports layers its failed load had finished: a server fences them), close that
-        update and start again.
+        then refuses a new one; a server's pause lease closes it when it expires, so this is a
+        trainer that came first), settle it as the lease would (``weightsync_settle``: a load
+        it completed whole is finished, anything else abandoned -- the layers a failed load had
+        finished reported, which a server fences -- and closed) and start again.
 
         At TP>1 vLLM's own refusal already leaves its RPC replies out of step (every worker
         raises); only restarting the engine recovers from that."""
@@ -156,8 +157,7 @@ class WeightTransferTransport(Transport):
             if "already active" not in str(e):
                 raise
             logger.warning("weightsync: closing a weight update another trainer left open")
-            rpc("weightsync_abandon", {})
-            self._abort("another trainer left it open")
+            rpc("weightsync_settle", {})
             _call(self.client, "start_weight_update")
 
     def _update(self, info: UpdateInfo) -> None:
