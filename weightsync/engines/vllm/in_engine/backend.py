@@ -11,7 +11,8 @@ over a gloo group (any host), and loads them with vLLM's layerwise reload.
 Stage, then commit. vLLM's calls neither pause the engine nor touch the model by themselves, so
 ``start_weight_update`` here only opens the update: the layerwise reload (which puts every layer
 on the meta device) begins at the first load, after every check passed. Over files every file's
-tag, names and shapes are checked before the first byte is loaded. Over gloo the stream can be
+tag, names and shapes are checked before the first byte is loaded, and the reload reads views of
+the files' mappings (no copy of its own: the trainer's write is the one copy). Over gloo the stream can be
 staged while the engine keeps generating: one ``update_weights`` starts receiving it into host
 memory in a thread (``gloo.Staging``, bounded by ``max_bytes``) and returns, a second waits for
 its END and checks every name and shape, and a third, inside the trainer's pause, loads it. A
@@ -60,7 +61,7 @@ import torch
 from ....wire import format as fmt
 from ....wire import gloo
 from ....wire.delta import LoadedCopies
-from ....wire.files import check_files
+from ....wire.files import MappedFiles
 from ....wire.protocol import RELOAD_REPORT, InitInfo, Outcome, UpdateInfo
 from .model_ops import (
     abandon_layerwise_reload,
@@ -358,12 +359,15 @@ def _make_engine_class() -> type:
             if receiver is not None:
                 self._load(iter(receiver))
                 return
-            paths = [Path(info.folder) / name for name in info.files]
-            if info.key:  # every file of this chunk, before any is read
-                check_files(info.folder, info.files, info.key, info.tags)
+            # Views of mappings of this chunk alone (one copy per byte, the trainer's write;
+            # the folder is fresh per update, so no file is rewritten under them), every file's
+            # tag checked on the mapping it is then loaded from, before any is loaded.
+            views = MappedFiles().read(info.folder, info.files, info.key, info.tags)
             if self.expected:
-                check_loadable(file_shapes(paths), self.expected)
-            self._load(fmt.read(paths))
+                check_loadable(
+                    file_shapes([Path(info.folder) / n for n in info.files]), self.expected
+                )
+            self._load(views)
 
         def _load(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
             from vllm.model_executor.model_loader.mtp_validation import (
