@@ -269,9 +269,20 @@ def _owned_by_another_live_process(name: str) -> bool:
     return owner.isdigit() and int(owner) != os.getpid() and psutil.pid_exists(int(owner))
 
 
+def _is_pytest(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return "pytest" in " ".join(process.cmdline())
+    return False
+
+
 def _other_test_runs() -> list[int]:
-    """PIDs of pytest processes outside this run's own line (its ancestors, itself)."""
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    """PIDs of pytest processes outside this run's own line: itself, its ancestors, and every
+    process under the outermost pytest among them (a run nested in another sees that run's
+    xdist workers, whose titles say pytest, as its own line, not as other runs)."""
+    me = psutil.Process()
+    line = [me, *me.parents()]
+    top = next((p for p in reversed(line) if _is_pytest(p)), me)
+    mine = {p.pid for p in line} | {c.pid for c in top.children(recursive=True)}
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         if p.info["pid"] not in mine and "pytest" in " ".join(p.info["cmdline"] or ()):
