@@ -124,6 +124,8 @@ _ADAPTER_INTERESTING = [
     ("  engine.check_adapter (vLLM's PEFTHelper)", ("inprocess.py:check_adapter",)),
     ("engine: VLLMEngine.load_adapter", ("inprocess.py:load_adapter",)),
     ("  lora.install_adapter (in vLLM's worker)", ("lora.py:install_adapter",)),
+    ("    lora._refresh (a new version written in place)", ("lora.py:_refresh",)),
+    ("      copy into vLLM's LoRAModel", ("~:<built-in method torch._foreach_copy_>",)),
     ("    lora.build_lora_model", ("lora.py:build_lora_model",)),
     ("      Tensor.to (the factors' copy)", ("~:<method 'to' of 'torch._C.TensorBase' objects>",)),
     ("      vLLM LoRAModel.from_lora_tensors", ("lora_model.py:from_lora_tensors",)),

@@ -173,3 +173,58 @@ def test_a_rejected_adapter_leaves_the_served_one(engines):
             kwargs={"tensors": bad, "config": good.config, "lora_int_id": engine.lora_id},
         )
     T.assert_matches(model, engine, atol=ATOL)
+
+
+def _served(worker, lora_id):
+    """The ``LoRAModel`` vLLM holds under ``lora_id`` (its id) and a copy of its slot."""
+    inner = worker.model_runner.lora_manager._adapter_manager
+    index = inner.lora_index_to_id.index(lora_id)
+    slot = [
+        t[index].clone()
+        for module in inner.modules.values()
+        for t in (*getattr(module, "lora_a_stacked", ()), *getattr(module, "lora_b_stacked", ()))
+    ]
+    return id(inner.get_adapter(lora_id)), slot
+
+
+def _evict(worker, lora_id):
+    """Free the adapter's slot, as vLLM's LRU does for another adapter, and scribble on it."""
+    inner = worker.model_runner.lora_manager._adapter_manager
+    index = inner.lora_index_to_id.index(lora_id)
+    inner.deactivate_adapter(lora_id)
+    for module in inner.modules.values():
+        for t in (*getattr(module, "lora_a_stacked", ()), *getattr(module, "lora_b_stacked", ())):
+            t[index] = 1.0
+
+
+def test_a_new_version_written_in_place_is_what_a_fresh_install_builds(engines):
+    # A new version of the adapter last installed under the id is written into vLLM's own
+    # copy of it and its slot (no rebuild); the result must be a fresh install's, bit for bit,
+    # and vLLM must re-activate the new version, not the first, once it evicted it.
+    from weightsync.engines.vllm.in_engine import lora as worker_lora
+
+    engine = engines["qwen2"]
+    model = lora_model("qwen2", seed=60, config=LORA)
+    FullSync(lora="separate").sync(model, engine)
+    lora_id = engine.lora_request.lora_int_id
+    built, _ = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+    T.perturb(model, seed=61, scale=0.3)
+    assert_differs(model, engine)
+    adapter_sync(model, engine, memory=True)
+    kept, in_place = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+    assert kept == built, "the new version was rebuilt, not written in place"
+    T.assert_matches(model, engine, atol=ATOL)
+
+    worker_lora._REFRESHABLE.clear()  # the next install builds anew
+    adapter_sync(model, engine, memory=True)
+    rebuilt, fresh = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+    assert rebuilt != built
+    assert len(fresh) == len(in_place)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, in_place, strict=True))
+
+    T.perturb(model, seed=62, scale=0.3)
+    assert_differs(model, engine)
+    adapter_sync(model, engine, memory=True)  # in place again, into the rebuilt copy
+    assert engine.llm.collective_rpc(_served, args=(lora_id,))[0][0] == rebuilt
+    engine.llm.collective_rpc(_evict, args=(lora_id,))
+    T.assert_matches(model, engine, atol=ATOL)  # re-activated from vLLM's copy

@@ -27,6 +27,10 @@ ms-swift#8233). The fix is the caller's: sync the adapter again. The request mus
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -134,7 +138,7 @@ def _check_modules(
 
 def build_lora_model(
     worker: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int
-) -> Any:
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """A vLLM ``LoRAModel`` from an adapter in PEFT's on-disk form, checked as vLLM checks one
     read from a folder.
 
@@ -142,7 +146,7 @@ def build_lora_model(
     folder loader leaves it: vLLM later scales ``lora_b`` in place
     (``LoRALayerWeights.optimize``), and the LRU cache re-activates an adapter from these
     tensors, so sharing storage with the trainer would both corrupt the trainer's adapter and
-    serve later, unsynced values.
+    serve later, unsynced values. Returns the model and those copies, by key.
     """
     from vllm.lora.lora_model import LoRAModel, _is_remote_expert_key
     from vllm.lora.peft_helper import PEFTHelper
@@ -183,7 +187,7 @@ def build_lora_model(
     inner._validate_moe_lora_format(lora)
     inner._validate_modules_to_save(lora)
     inner._validate_token_classification_lora(lora)
-    return lora
+    return lora, owned
 
 
 def _copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -208,18 +212,133 @@ def install_adapter(
 
     Requests then use it with ``LoRARequest(name, lora_int_id, memory_lora_path(...))``.
     Returns True once installed; raises, leaving the engine's adapters unchanged, if the
-    adapter is not one this engine can serve.
+    adapter is not one this engine can serve. A new version of the adapter this call last
+    installed under that id, with the same config, keys and shapes, is written into it in
+    place (`_refresh`).
     """
     from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
     manager = _lora_manager(worker)
     inner = manager._adapter_manager
     with gpu_sync_allowed():
-        lora = build_lora_model(worker, tensors, config, lora_int_id)
-        inner.remove_adapter(lora_int_id)
-        if len(inner) + 1 > inner.capacity and hasattr(inner, "remove_oldest_adapter"):
-            inner.remove_oldest_adapter()
-        inner.add_adapter(lora)
-        inner.activate_adapter(lora_int_id)
+        if not _refresh(inner, tensors, config, lora_int_id):
+            lora, owned = build_lora_model(worker, tensors, config, lora_int_id)
+            scales = _scales(lora)
+            inner.remove_adapter(lora_int_id)
+            if len(inner) + 1 > inner.capacity and hasattr(inner, "remove_oldest_adapter"):
+                inner.remove_oldest_adapter()
+            inner.add_adapter(lora)
+            inner.activate_adapter(lora_int_id)
+            _remember(lora, owned, scales, config)
     ledger.note_adapter(worker)
     return True
+
+
+@dataclass(frozen=True)
+class _Refreshable:
+    """Where each key of an installed adapter lives in vLLM's ``LoRAModel``: the tensor vLLM
+    serves from (and re-activates the adapter from) and the scaling folded into it."""
+
+    config: dict
+    keys: tuple[str, ...]
+    targets: tuple[torch.Tensor, ...]
+    scales: tuple[float, ...]  # 1 for lora_a and for a lora_b vLLM did not scale
+
+
+# Adapters installed by `install_adapter` that a next version may be written into in place.
+_REFRESHABLE: weakref.WeakKeyDictionary[Any, _Refreshable] = weakref.WeakKeyDictionary()
+
+
+def _scales(lora: Any) -> dict[int, float] | None:
+    """The scaling of each ``lora_b`` of ``lora`` by the tensor's id, read before
+    ``add_adapter`` folds it into the tensor (``LoRALayerWeights.optimize``); None if any is
+    not one plain number."""
+    out = {}
+    for weights in lora.loras.values():
+        if not isinstance(weights.lora_b, torch.Tensor) or type(weights.scaling) not in (
+            float,
+            int,
+        ):
+            return None
+        out[id(weights.lora_b)] = weights.scaling
+    return out
+
+
+def _served_tensors(lora: Any) -> Iterator[torch.Tensor]:
+    for weights in lora.loras.values():
+        for part in (weights.lora_a, weights.lora_b):
+            for t in part if isinstance(part, list) else [part]:
+                if t is not None:
+                    yield t
+
+
+def _remember(
+    lora: Any, owned: dict[str, torch.Tensor], scales: dict[int, float] | None, config: dict
+) -> None:
+    """Record ``lora`` as refreshable if vLLM serves it from exactly the copies ``owned`` (one
+    per key, none dropped, none copied again: packing q/k/v keeps them as they are, but an MoE
+    stack, a pinned-memory copy or a full ``modules_to_save`` weight does not), so that writing
+    a new version into those copies is what a fresh install would build."""
+    served = {id(t): t for t in _served_tensors(lora)}
+    if scales is None or lora.modules_to_save or len(served) != len(owned):
+        return
+    if any(id(t) not in served for t in owned.values()):
+        return
+    _REFRESHABLE[lora] = _Refreshable(
+        config=config,
+        keys=tuple(owned),
+        targets=tuple(owned.values()),
+        scales=tuple(scales.get(id(t), 1) for t in owned.values()),
+    )
+
+
+def _refresh(inner: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int) -> bool:
+    """Write a new version of the adapter installed under ``lora_int_id`` into vLLM's copy of
+    it and into its slot, if that adapter is the one `install_adapter` built (the same
+    ``LoRAModel``: a load by anyone else replaced it) with the same config, keys and shapes.
+    Returns False, having written nothing, otherwise.
+
+    The result is what a fresh install builds, bit for bit: each key copied into the tensor it
+    was built into, then scaled in place as vLLM's ``optimize`` scaled it, then the slot
+    rewritten by each layer's own ``set_lora``. The slot is not zeroed first, as ``set_lora``
+    does: while the adapter stays active its slot was last written by ``set_lora`` from
+    tensors of these very shapes, so the new write covers every element the old one did and
+    the rest is still zero. Skipped are the parse of every key, the checks of a build, the
+    allocation, the packing and the zeroing of the max-rank slot: most of an install.
+    """
+    lora = inner.get_adapter(lora_int_id)
+    record = _REFRESHABLE.get(lora) if lora is not None else None
+    if record is None or record.config != config or tuple(tensors) != record.keys:
+        return False
+    sources = [tensors[key].detach() for key in record.keys]
+    if any(s.shape != t.shape for s, t in zip(sources, record.targets, strict=True)):
+        return False
+    targets = list(record.targets)
+    if all(s.device == t.device for s, t in zip(sources, targets, strict=True)):
+        torch._foreach_copy_(targets, sources)
+    else:
+        for s, t in zip(sources, targets, strict=True):
+            t.copy_(s)
+    for t, scale in zip(targets, record.scales, strict=True):
+        if scale != 1:
+            t *= scale  # as optimize() scaled the fresh copy
+    if lora_int_id in inner.lora_index_to_id:
+        index = inner.lora_index_to_id.index(lora_int_id)
+        for name, module in inner.modules.items():
+            weights = inner._get_lora_layer_weights(lora, name)
+            if weights:
+                with _slot_not_zeroed(module):
+                    module.set_lora(index, weights.lora_a, weights.lora_b)
+    inner.add_adapter(lora)  # already registered: marks it recently used, as a re-add does
+    inner.activate_adapter(lora_int_id)  # active: the same; evicted: activated from the copy
+    return True
+
+
+@contextmanager
+def _slot_not_zeroed(module: Any) -> Iterator[None]:
+    """``module.set_lora`` without its ``reset_lora`` of the whole max-rank slot."""
+    module.reset_lora = lambda index: None
+    try:
+        yield
+    finally:
+        del module.reset_lora
