@@ -174,6 +174,8 @@ def test_a_slow_trainer_learns_its_lease_ran_out(server):
         # waits for the lease, then is served
         tokens, waited = answered(server.url, PROMPTS, BOUND_S)
         assert tokens == greedy(model) and waited < BOUND_S
+        # and the server's log says so (the operator's view of a dead trainer's pause)
+        assert "weightsync: resumed on the weights the workers hold" in server.log.read_text()
         with pytest.raises(PauseExpiredError, match=r"lease .* is over: it expired"):
             engine.control.reset_prefix_cache()
         assert engine.control.lease is None

@@ -140,7 +140,10 @@ def generates(path: str) -> bool:
     return path.startswith("/v1/") and path not in DESCRIBING and "lora_adapter" not in path
 
 
-logger = logging.getLogger("weightsync.server_lease")
+# Under vLLM's logger: this runs in the API server, whose root logger vLLM leaves at ERROR, so
+# a logger of weightsync's own would drop every warning here (a dead trainer's expired pause,
+# a fence), which are for the server's operator. vLLM's handler prints them in its format.
+logger = logging.getLogger("vllm.weightsync.server_lease")
 
 
 class PauseLease:

@@ -73,7 +73,7 @@ from .model_ops import (
     repack_cpu_moe,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # in vLLM's workers: see server_lease.py
 
 #: The name to put in ``--weight-transfer-config '{"backend": "weightsync"}'``.
 BACKEND = "weightsync"
