@@ -228,3 +228,45 @@ def test_a_new_version_written_in_place_is_what_a_fresh_install_builds(engines):
     assert engine.llm.collective_rpc(_served, args=(lora_id,))[0][0] == rebuilt
     engine.llm.collective_rpc(_evict, args=(lora_id,))
     T.assert_matches(model, engine, atol=ATOL)  # re-activated from vLLM's copy
+
+
+def _break_a_layer(worker):
+    inner = worker.model_runner.lora_manager._adapter_manager
+    name = next(n for n in inner.modules if n.endswith("layers.1.self_attn.o_proj"))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected: set_lora failed")
+
+    inner.modules[name].set_lora = fail
+    return name
+
+
+def _mend(worker, name):
+    del worker.model_runner.lora_manager._adapter_manager.modules[name].set_lora
+
+
+def test_a_write_in_place_that_fails_part_way_leaves_no_adapter_served(engines):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = engines["llama"]
+    model = lora_model("llama", seed=70, config=LORA)
+    FullSync(lora="separate").sync(model, engine)
+    held = engine.lora_request
+    T.perturb(model, seed=71, scale=0.3)
+    name = engine.llm.collective_rpc(_break_a_layer)[0]
+    try:  # vLLM's copy of the adapter is written, its slot is not: a mix if it were served
+        with pytest.raises(Exception, match="injected: set_lora failed"):
+            AdapterSync().sync(model, engine)
+    finally:
+        engine.llm.collective_rpc(_mend, args=(name,))
+    assert engine.llm.llm_engine.list_loras() == set()
+    params = SamplingParams(temperature=0, max_tokens=4, detokenize=False, ignore_eos=True)
+    with pytest.raises(Exception, match=f"No adapter found for {MEMORY_ROOT}"):
+        engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=[1, 2, 3])], params, lora_request=held, use_tqdm=False
+        )
+    llm_engine = engine.llm.llm_engine
+    llm_engine.abort_request(list(llm_engine.output_processor.request_states), internal=True)
+    FullSync(lora="separate").sync(model, engine)  # the restore a Syncer plans after a failure
+    T.assert_matches(model, engine, atol=ATOL)

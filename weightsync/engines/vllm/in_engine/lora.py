@@ -28,7 +28,7 @@ ms-swift#8233). The fix is the caller's: sync the adapter again. The request mus
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +138,7 @@ def _check_modules(
 
 def build_lora_model(
     worker: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int
-) -> tuple[Any, dict[str, torch.Tensor]]:
+) -> tuple[Any, dict[str, torch.Tensor] | None]:
     """A vLLM ``LoRAModel`` from an adapter in PEFT's on-disk form, checked as vLLM checks one
     read from a folder.
 
@@ -146,7 +146,8 @@ def build_lora_model(
     folder loader leaves it: vLLM later scales ``lora_b`` in place
     (``LoRALayerWeights.optimize``), and the LRU cache re-activates an adapter from these
     tensors, so sharing storage with the trainer would both corrupt the trainer's adapter and
-    serve later, unsynced values. Returns the model and those copies, by key.
+    serve later, unsynced values. Returns the model and, by key, the tensor it holds for each
+    (`_held`).
     """
     from vllm.lora.lora_model import LoRAModel, _is_remote_expert_key
     from vllm.lora.peft_helper import PEFTHelper
@@ -187,7 +188,24 @@ def build_lora_model(
     inner._validate_moe_lora_format(lora)
     inner._validate_modules_to_save(lora)
     inner._validate_token_classification_lora(lora)
-    return lora, owned
+    return lora, _held(lora, owned, mapper)
+
+
+def _held(lora: Any, keys: Iterable[str], mapper: Any) -> dict[str, torch.Tensor] | None:
+    """Key -> the tensor ``lora`` holds for it (the copy above, or vLLM's pinned copy of it on
+    a GPU host), found as ``from_lora_tensors`` placed it; None if a key has none (an
+    embedding, a skipped module, a ``modules_to_save`` weight)."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    held = {}
+    for key in keys:
+        module, is_lora_a = parse_fine_tuned_lora_name(key, mapper)
+        weights = lora.loras.get(module)
+        t = None if weights is None else weights.lora_a if is_lora_a else weights.lora_b
+        if not isinstance(t, torch.Tensor):
+            return None
+        held[key] = t
+    return held
 
 
 def _copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -222,14 +240,14 @@ def install_adapter(
     inner = manager._adapter_manager
     with gpu_sync_allowed():
         if not _refresh(inner, tensors, config, lora_int_id):
-            lora, owned = build_lora_model(worker, tensors, config, lora_int_id)
+            lora, held = build_lora_model(worker, tensors, config, lora_int_id)
             scales = _scales(lora)
             inner.remove_adapter(lora_int_id)
             if len(inner) + 1 > inner.capacity and hasattr(inner, "remove_oldest_adapter"):
                 inner.remove_oldest_adapter()
             inner.add_adapter(lora)
             inner.activate_adapter(lora_int_id)
-            _remember(lora, owned, scales, config)
+            _remember(lora, held, scales, config)
     ledger.note_adapter(worker)
     return True
 
@@ -273,22 +291,25 @@ def _served_tensors(lora: Any) -> Iterator[torch.Tensor]:
 
 
 def _remember(
-    lora: Any, owned: dict[str, torch.Tensor], scales: dict[int, float] | None, config: dict
+    lora: Any,
+    held: dict[str, torch.Tensor] | None,
+    scales: dict[int, float] | None,
+    config: dict,
 ) -> None:
-    """Record ``lora`` as refreshable if vLLM serves it from exactly the copies ``owned`` (one
-    per key, none dropped, none copied again: packing q/k/v keeps them as they are, but an MoE
-    stack, a pinned-memory copy or a full ``modules_to_save`` weight does not), so that writing
-    a new version into those copies is what a fresh install would build."""
-    served = {id(t): t for t in _served_tensors(lora)}
-    if scales is None or lora.modules_to_save or len(served) != len(owned):
+    """Record ``lora`` as refreshable if, once added, vLLM serves it from exactly the tensors
+    ``held`` (one per key, none dropped or copied again: packing q/k/v keeps them as they are,
+    an MoE stack does not), so that writing a new version into them is what a fresh install
+    would build."""
+    if held is None or scales is None or lora.modules_to_save:
         return
-    if any(id(t) not in served for t in owned.values()):
+    served = {id(t) for t in _served_tensors(lora)}
+    if len(served) != len(held) or any(id(t) not in served for t in held.values()):
         return
     _REFRESHABLE[lora] = _Refreshable(
         config=config,
-        keys=tuple(owned),
-        targets=tuple(owned.values()),
-        scales=tuple(scales.get(id(t), 1) for t in owned.values()),
+        keys=tuple(held),
+        targets=tuple(held.values()),
+        scales=tuple(scales.get(id(t), 1) for t in held.values()),
     )
 
 
@@ -313,6 +334,20 @@ def _refresh(inner: Any, tensors: dict[str, torch.Tensor], config: dict, lora_in
     sources = [tensors[key].detach() for key in record.keys]
     if any(s.shape != t.shape for s, t in zip(sources, record.targets, strict=True)):
         return False
+    try:
+        _write_in_place(inner, lora, record, sources, lora_int_id)
+    except BaseException:
+        inner.remove_adapter(lora_int_id)  # part-written: served by no request, never a mix
+        raise
+    inner.add_adapter(lora)  # already registered: marks it recently used, as a re-add does
+    inner.activate_adapter(lora_int_id)  # active: the same; evicted: activated from the copy
+    return True
+
+
+def _write_in_place(
+    inner: Any, lora: Any, record: _Refreshable, sources: list[torch.Tensor], lora_int_id: int
+) -> None:
+    """`_refresh`'s writes: vLLM's copy of the adapter, then its slot if it is active."""
     targets = list(record.targets)
     if all(s.device == t.device for s, t in zip(sources, targets, strict=True)):
         torch._foreach_copy_(targets, sources)
@@ -329,9 +364,6 @@ def _refresh(inner: Any, tensors: dict[str, torch.Tensor], config: dict, lora_in
             if weights:
                 with _slot_not_zeroed(module):
                     module.set_lora(index, weights.lora_a, weights.lora_b)
-    inner.add_adapter(lora)  # already registered: marks it recently used, as a re-add does
-    inner.activate_adapter(lora_int_id)  # active: the same; evicted: activated from the copy
-    return True
 
 
 @contextmanager
