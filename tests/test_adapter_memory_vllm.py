@@ -229,6 +229,16 @@ def test_a_new_version_written_in_place_is_what_a_fresh_install_builds(engines):
     engine.llm.collective_rpc(_evict, args=(lora_id,))
     T.assert_matches(model, engine, atol=ATOL)  # re-activated from vLLM's copy
 
+    # A sleep (here level 1, which keeps the base) may have discarded the slot's memory on a
+    # GPU while vLLM still counts the adapter active: the next version is built anew.
+    engine.sleep(1)
+    engine.wake_up()
+    T.perturb(model, seed=63, scale=0.3)
+    assert_differs(model, engine)
+    adapter_sync(model, engine, memory=True)
+    assert engine.llm.collective_rpc(_served, args=(lora_id,))[0][0] != rebuilt
+    T.assert_matches(model, engine, atol=ATOL)
+
 
 def _break_a_layer(worker):
     inner = worker.model_runner.lora_manager._adapter_manager

@@ -308,6 +308,12 @@ def kv_cache_awake(obj: Any) -> bool:
     return ledger is not None and "kv_cache" not in ledger.asleep
 
 
+def epoch(obj: Any) -> tuple[Any, int]:
+    """This worker's boot and epoch: they move at every sleep, wake and base write it saw."""
+    ledger = _ledger(worker_of(obj), asleep=False)
+    return ledger.boot, ledger.epoch
+
+
 def note_adapter(obj: Any) -> None:
     """Count an adapter write made without ``add_lora`` (weightsync's in-memory install)."""
     _ledger(worker_of(obj), asleep=False).adapters += 1

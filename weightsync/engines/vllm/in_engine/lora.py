@@ -239,7 +239,7 @@ def install_adapter(
     manager = _lora_manager(worker)
     inner = manager._adapter_manager
     with gpu_sync_allowed():
-        if not _refresh(inner, tensors, config, lora_int_id):
+        if not _refresh(worker, inner, tensors, config, lora_int_id):
             lora, held = build_lora_model(worker, tensors, config, lora_int_id)
             scales = _scales(lora)
             inner.remove_adapter(lora_int_id)
@@ -247,7 +247,7 @@ def install_adapter(
                 inner.remove_oldest_adapter()
             inner.add_adapter(lora)
             inner.activate_adapter(lora_int_id)
-            _remember(lora, held, scales, config)
+            _remember(worker, lora, held, scales, config)
     ledger.note_adapter(worker)
     return True
 
@@ -258,6 +258,7 @@ class _Refreshable:
     serves from (and re-activates the adapter from) and the scaling folded into it."""
 
     config: dict
+    epoch: tuple[Any, int]  # the worker's, as the adapter was installed (`ledger.epoch`)
     keys: tuple[str, ...]
     targets: tuple[torch.Tensor, ...]
     scales: tuple[float, ...]  # 1 for lora_a and for a lora_b vLLM did not scale
@@ -291,6 +292,7 @@ def _served_tensors(lora: Any) -> Iterator[torch.Tensor]:
 
 
 def _remember(
+    worker: Any,
     lora: Any,
     held: dict[str, torch.Tensor] | None,
     scales: dict[int, float] | None,
@@ -307,17 +309,22 @@ def _remember(
         return
     _REFRESHABLE[lora] = _Refreshable(
         config=config,
+        epoch=ledger.epoch(worker),
         keys=tuple(held),
         targets=tuple(held.values()),
         scales=tuple(scales.get(id(t), 1) for t in held.values()),
     )
 
 
-def _refresh(inner: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int) -> bool:
+def _refresh(
+    worker: Any, inner: Any, tensors: dict[str, torch.Tensor], config: dict, lora_int_id: int
+) -> bool:
     """Write a new version of the adapter installed under ``lora_int_id`` into vLLM's copy of
     it and into its slot, if that adapter is the one `install_adapter` built (the same
-    ``LoRAModel``: a load by anyone else replaced it) with the same config, keys and shapes.
-    Returns False, having written nothing, otherwise.
+    ``LoRAModel``: a load by anyone else replaced it) with the same config, keys and shapes,
+    and the worker saw no sleep, wake or base write since (its ledger's epoch: a level-2 sleep
+    may discard the slot's memory while vLLM still counts the adapter active). Returns False,
+    having written nothing, otherwise.
 
     The result is what a fresh install builds, bit for bit: each key copied into the tensor it
     was built into, then scaled in place as vLLM's ``optimize`` scaled it, then the slot
@@ -329,7 +336,12 @@ def _refresh(inner: Any, tensors: dict[str, torch.Tensor], config: dict, lora_in
     """
     lora = inner.get_adapter(lora_int_id)
     record = _REFRESHABLE.get(lora) if lora is not None else None
-    if record is None or record.config != config or tuple(tensors) != record.keys:
+    if (
+        record is None
+        or record.epoch != ledger.epoch(worker)
+        or record.config != config
+        or tuple(tensors) != record.keys
+    ):
         return False
     sources = [tensors[key].detach() for key in record.keys]
     if any(s.shape != t.shape for s, t in zip(sources, record.targets, strict=True)):
