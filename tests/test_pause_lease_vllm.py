@@ -55,6 +55,9 @@ def server(tmp_path_factory):
         env={
             "WEIGHTSYNC_PAUSE_LEASE_S": str(LEASE_S),
             "WEIGHTSYNC_STAGE_EXPIRY_S": str(STAGE_EXPIRY_S),
+            # vLLM's default, which a run that quieted vLLM (benchmarks.console) overrides: the
+            # lease logs under vLLM's logger, and a test reads its warnings from the log
+            "VLLM_LOGGING_LEVEL": "INFO",
         },
     )
     with serving(started):
