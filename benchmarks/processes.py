@@ -268,9 +268,15 @@ def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
             s.wait()
         yield servers
     finally:
-        for s in servers:
-            s.terminate()
-        left = {s.url: s.join() for s in servers}
+        stop_all(*servers)
+
+
+def stop_all(*servers: VLLMServer) -> None:
+    """Stop ``servers`` together; raise if a stop was not graceful (what it left in /dev/shm is
+    removed first, so a failure leaves no litter)."""
+    for s in servers:
+        s.terminate()
+    left = {s.url: s.join() for s in servers}
     if any(left.values()):
         raise RuntimeError(f"servers did not stop gracefully; removed what they left: {left}")
 

@@ -66,12 +66,16 @@ atexit.register(shutil.rmtree, _RPC_DIR, True)
 #   be counted;
 # - the longest modules start first (longest-first keeps the two workers' ends close), the rest
 #   in file order;
-# - modules whose engines run tensor-parallel run alone (`ALONE`): their workers busy-wait on
-#   each other, and a process beside them on two cores stalls both (seen in a full run: a TP=2
-#   server's two workers at 100% each while the other worker's in-process engine got 2%), and
-#   the module whose rollouts must still be decoding when a commit lands (beside another
-#   module's engine, a server's API process got the CPU to stream a rollout's first token only
-#   once its engine core had generated all 160: no rollout crossed the write).
+# - tests whose engines run tensor-parallel run alone (`ALONE`, and the ``tp2`` tests of
+#   `TP2_ALONE`): their workers busy-wait on each other, and a process beside them on two cores
+#   stalls both (seen in a full run: a TP=2 server's two workers at 100% each while the other
+#   worker's in-process engine got 2%), and so does the module whose rollouts must still be
+#   decoding when a commit lands (beside another module's engine, a server's API process got
+#   the CPU to stream a rollout's first token only once its engine core had generated all 160:
+#   no rollout crossed the write). They are one unit, the last: the other worker, which waits
+#   while it runs, has then nothing left to do anyway. A module split across the two (its TP=1
+#   tests beside other modules) starts each server when a test first asks for it
+#   (`ServersOnDemand`).
 
 #: Modules that must not run beside each other: one unit of work, in this order.
 SERIAL = {"ray": ("test_ray_vllm.py", "test_recipes_ray.py")}
@@ -81,7 +85,6 @@ LONGEST = (
     "test_swift.py",
     "test_trl.py",
     "ray",
-    "test_server_vllm.py",
     "test_security_vllm.py",
     "test_quantized_vllm.py",
 )
@@ -90,15 +93,22 @@ LONGEST = (
 #: Modules that run with no other module beside them (a lock every worker takes: shared for
 #: the others, exclusive for these; see `pytest_runtest_protocol`).
 ALONE = (
-    "test_server_vllm.py",
     "test_multiproc_vllm.py",
-    "test_weight_transfer_vllm.py",
     "test_async_rl_server_vllm.py",
     "test_suite_hygiene.py",
 )
+#: Modules whose tests with ``tp2`` in their id run alone, the others beside other modules.
+TP2_ALONE = ("test_server_vllm.py", "test_weight_transfer_vllm.py")
+
+
+def _alone(nodeid: str) -> bool:
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return module in ALONE or (module in TP2_ALONE and "tp2" in nodeid.partition("[")[2])
 
 
 def _unit(nodeid: str) -> str:
+    if _alone(nodeid):
+        return "alone"
     module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
     return next((group for group, names in SERIAL.items() if module in names), module)
 
@@ -106,7 +116,7 @@ def _unit(nodeid: str) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order the collected tests by unit (see above); within a unit, as collected."""
     first = {unit: i for i, unit in enumerate(LONGEST)}
-    rank = {}
+    rank = {"alone": (len(first) + 1, 0)}  # the last unit
     for i, item in enumerate(items):
         rank.setdefault(_unit(item.nodeid), (first.get(_unit(item.nodeid), len(first)), i))
     members = {g: {m: j for j, m in enumerate(names)} for g, names in SERIAL.items()}
@@ -119,17 +129,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=key)
 
 
-_locked: dict[str, Any] = {}  # module -> its open lock file, while this worker runs it
+_locked: dict[tuple[str, bool], Any] = {}  # (module, alone) -> its open lock, while it runs
 
 
-def _module(item: pytest.Item | None) -> str:
-    return "" if item is None else item.nodeid.split("::", 1)[0]
+def _module(item: pytest.Item | None) -> tuple[str, bool]:
+    """The lock's key: a module, or the part of it that runs alone."""
+    return ("", False) if item is None else (item.nodeid.split("::", 1)[0], _alone(item.nodeid))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under xdist, hold a lock on pyproject.toml while a module runs: shared by most modules,
-    exclusive for `ALONE`. Taken outside pytest-timeout's timer (this wrapper runs first), so a
+    exclusive for the tests that run alone (`_alone`). Taken outside pytest-timeout's timer (this wrapper runs first), so a
     module waiting for another does not time out; released after the module's last test (its
     module fixtures are torn down by then). Each worker holds one lock at a time: no deadlock.
     The lock is queued for through a turnstile (this file, locked exclusively while waiting):
@@ -142,8 +153,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         lock = open(item.config.rootpath / "pyproject.toml", "rb")  # noqa: SIM115 (held across calls)
         with open(__file__, "rb") as turnstile:
             fcntl.flock(turnstile, fcntl.LOCK_EX)
-            alone = module.rsplit("/", 1)[-1] in ALONE
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            fcntl.flock(lock, fcntl.LOCK_EX if module[1] else fcntl.LOCK_SH)
         _locked[module] = lock
     yield
     if module in _locked and _module(nextitem) != module:
@@ -609,6 +619,41 @@ def closed_leaving_nothing(engines: Mapping[Any, Any] | list[Any]) -> Iterator[N
             e.close()
     left = folders_left(engines.values() if isinstance(engines, Mapping) else engines)
     assert not left, f"tmpfs folders left behind: {left}"
+
+
+class ServersOnDemand(dict):
+    """``vllm serve`` servers by key, each started when a test first asks for it (``servers[tp]``)
+    and all stopped by `stopped`: a module split across workers (`TP2_ALONE`) starts on each
+    only the servers its tests there use, and a TP=2 server only while its tests run alone.
+
+    Args:
+        make: the (not yet started) `benchmarks.processes.VLLMServer` of a key.
+    """
+
+    def __init__(self, make: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: Any) -> Any:
+        server = self.make(key)
+        try:
+            server.wait()
+        except BaseException:
+            server.stop()  # what it left in /dev/shm removed
+            raise
+        self[key] = server
+        return server
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[ServersOnDemand]:
+        """Yield this mapping; then stop every server started (`benchmarks.processes.stop_all`:
+        fails if a stop was not graceful)."""
+        from benchmarks.processes import stop_all
+
+        try:
+            yield self
+        finally:
+            stop_all(*self.values())
 
 
 @pytest.fixture(scope="module")

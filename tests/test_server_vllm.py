@@ -1,6 +1,6 @@
 """The decision table against real ``vllm serve`` processes, TP=1 and TP=2, both transports.
 
-Two servers per module (CPU is shared), both serving LoRA with weightsync's worker extension,
+Two servers per module (CPU is shared), each started when a test first uses it, both serving LoRA with weightsync's worker extension,
 on 127.0.0.1 and free ports: TP=1 on a tied model (Qwen2), TP=2 on an untied one (Llama), so
 both shapes are covered without a third process. Every row of ``policy.choose`` is driven through
 a ``Syncer`` as a framework would, with the sleep levels made through the server's ``/sleep``
@@ -22,6 +22,7 @@ from conftest import (
     ATOL,
     LORA,
     LORA_ARGS,
+    ServersOnDemand,
     bad_stream,
     closed_leaving_nothing,
     discard,
@@ -34,7 +35,7 @@ from conftest import (
 )
 from peft import LoraConfig, get_peft_model
 
-from benchmarks.processes import VLLMServer, serving
+from benchmarks.processes import VLLMServer
 from weightsync import AdapterSync, FullSync, ReloadWeights, Syncer
 from weightsync import testing as T
 from weightsync.engines import Replicas, TmpfsTransport, VLLMEngine, VLLMServerEngine
@@ -62,28 +63,17 @@ def checkpoints(tmp_path_factory):
     }
 
 
-def _selected_tps(request) -> list[int]:
-    """TP=1, and TP=2 if a selected test of this module runs on it (``-k tp1`` starts one
-    server)."""
-    ids = [
-        i.nodeid.partition("[")[2]
-        for i in request.session.items
-        if getattr(i, "module", None) is request.module
-    ]
-    return [1, 2] if any("tp2" in i for i in ids) else [1]
-
-
 @pytest.fixture(scope="module")
-def servers(checkpoints, tmp_path_factory, request):
-    """A TP=1 and a TP=2 server, started together (start-up is the slow part)."""
+def servers(checkpoints, tmp_path_factory):
+    """The TP=1 and the TP=2 server, each started when a test first uses it (`ServersOnDemand`:
+    the TP=2 tests run alone, the others beside other modules)."""
     logs = tmp_path_factory.mktemp("logs")
-    started = {
-        tp: VLLMServer(
-            checkpoints[tp], logs / f"tp{tp}.log", tp=tp, max_model_len=512, args=LORA_ARGS
-        )
-        for tp in _selected_tps(request)
-    }
-    with serving(*started.values()):
+
+    def make(tp: int) -> VLLMServer:
+        log = logs / f"tp{tp}.log"
+        return VLLMServer(checkpoints[tp], log, tp=tp, max_model_len=512, args=LORA_ARGS)
+
+    with ServersOnDemand(make).stopped() as started:
         yield started
     # A TP server's processes map shared memory (the workers' message queue, and on some CPUs
     # a ``cpushm`` communicator): the graceful stop was checked on whatever they mapped

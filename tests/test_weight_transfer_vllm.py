@@ -3,10 +3,11 @@
 The servers run ``--weight-transfer-config '{"backend": "weightsync"}'`` (registered in every
 worker by importing weightsync's worker extension) and are driven through vLLM's own
 ``HTTPVLLMWeightSyncClient``: ``VLLMServerEngine(url, transport=WeightTransferFiles(...))``,
-bytes as files or over gloo. One server per tensor-parallel size, started once per module on
-127.0.0.1 and free ports (`benchmarks.processes.VLLMServer`), stopped gracefully by PID even when a
-test fails; the module fails if a stop left anything in ``/dev/shm``. Every sync is checked to change what
-the server generates, then to make it generate exactly the trainer's greedy tokens (float32
+bytes as files or over gloo. One server per tensor-parallel size, started when a test first
+uses it (the TP=2 tests run alone, `conftest.TP2_ALONE`), on 127.0.0.1 and free ports
+(`benchmarks.processes.VLLMServer`), stopped gracefully by PID even when a test fails; the
+module fails if a stop left anything in ``/dev/shm``. Every sync is checked to change what the
+server generates, then to make it generate exactly the trainer's greedy tokens (float32
 logprobs within 1e-3). Commit or nothing (issue 31): a sync failing before its load (the
 trainer's error, a name the engine lacks, a bucket altered after it was tagged) leaves exactly
 the old tokens, and a load failing part-way fences the server (the middleware's 503) until a
@@ -31,6 +32,7 @@ import requests
 import torch
 from conftest import (
     ATOL,
+    ServersOnDemand,
     bad_stream,
     closed_leaving_nothing,
     forged_delta_is_refused,
@@ -44,7 +46,7 @@ from conftest import (
 from lease_trainer import answered, kill_seeds, run, staged_bytes, watch_stage
 
 from benchmarks import processes
-from benchmarks.processes import VLLMServer, serving
+from benchmarks.processes import VLLMServer
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import (
@@ -97,11 +99,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(checkpoint, tmp_path_factory):
-    """One server per TP size, started together (start-up is the slow part)."""
+    """One server per TP size, each started when a test first uses it (`ServersOnDemand`: the
+    TP=2 tests run alone, the others beside other modules)."""
     logs = tmp_path_factory.mktemp("logs")
-    started = {tp: wt_server(checkpoint, logs / f"tp{tp}.log", tp) for tp in TPS}
-    with serving(*started.values()):
-        yield started
+    with ServersOnDemand(lambda tp: wt_server(checkpoint, logs / f"tp{tp}.log", tp)).stopped() as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
