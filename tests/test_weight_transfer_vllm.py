@@ -15,7 +15,8 @@ full sync; a trainer process SIGKILLed mid-sync (``tests/lease_trainer.py``) lea
 weights or the new ones whole, never a mix (the servers' pause lease, `LEASE_S`, finishes a load
 its trainer left unfinished when it covered every weight, and fences one that did not);
 a gloo stage nobody commits is dropped after its expiry (`STAGE_EXPIRY_S`), and a commit that
-comes later is refused on every worker.
+comes later is refused on every worker. A trainer only slow after its load, whose update the
+lease finished, is told so and counts its sync done, unless another write came since.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from weightsync.engines.vllm.server_lease import FENCED_HEADER
 from weightsync.errors import (
     BytesRejectedError,
     EngineFencedError,
+    PauseExpiredError,
     StageExpiredError,
     WeightMismatchError,
 )
@@ -489,6 +491,53 @@ def test_a_load_its_trainer_left_unfinished_is_finished_or_fenced_by_the_lease(
         assert "left open" not in caplog.text
     finally:
         honest.close()
+
+
+def test_a_trainer_slow_after_its_load_counts_the_update_the_lease_finished(servers, monkeypatch):
+    """A trainer alive but silent between its load and its finish for longer than the lease,
+    driven through vLLM's own HTTP client: the lease finishes the update (the load covered
+    every weight) and resumes; the trainer's late finish is refused, never run (unleased, it
+    would have finished whatever update was open then), and told what the lease did, so its
+    sync completes, exact, with the version the workers attest. When another trainer wrote in
+    the meantime, the late trainer raises instead, naming it, and the server serves the other
+    trainer's weights, whole; the next sync is exact."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from weightsync.engines.vllm.transports import weight_transfer
+
+    url = servers[1].url
+    old, new, other, newest = (full_model(ARCH, seed=140 + i) for i in range(4))
+    engine = VLLMServerEngine(url, transport=WeightTransferFiles(HTTPVLLMWeightSyncClient(url)))
+    intruder = VLLMServerEngine(url)
+    meanwhile: list = []  # what another trainer does while this one is slow
+    real = weight_transfer._call
+
+    def slow_finish(client, method, *args):
+        if method == "finish_weight_update":
+            time.sleep(LEASE_S + 4.0)  # the lease expires (its tick: a quarter of it)
+            for do in meanwhile:
+                do()
+        return real(client, method, *args)
+
+    try:
+        FullSync().sync(old, engine)
+        assert engine.transport.client is engine.control  # calls carry the pause's lease
+        monkeypatch.setattr(weight_transfer, "_call", slow_finish)
+        FullSync().sync(new, engine)
+        T.assert_matches(new, engine, atol=ATOL)
+        assert engine.written_version == engine.weights_version
+        assert label_of(url) == attested_label(url) == base_label(engine.written_version)
+
+        meanwhile.append(lambda: FullSync().sync(other, intruder))
+        with pytest.raises(PauseExpiredError, match="another write came since"):
+            FullSync().sync(newest, engine)
+        T.assert_matches(other, engine, atol=ATOL)
+        monkeypatch.setattr(weight_transfer, "_call", real)
+        FullSync().sync(newest, engine)
+        T.assert_matches(newest, engine, atol=ATOL)
+    finally:
+        intruder.close()
+        engine.close()
 
 
 #: Where the trainer is killed (`tests/lease_trainer.py`): at a random moment of a sync over

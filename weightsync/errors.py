@@ -147,7 +147,16 @@ class PauseExpiredError(WeightSyncError, RuntimeError):
     came late was not run; what the server serves is whole (its old weights, or the new ones if
     the write had completed), and the next sync must restore it fully (the base is marked
     lost). Raise the lease (``WEIGHTSYNC_PAUSE_LEASE_S`` in the server's environment) if the
-    trainer is that slow on purpose."""
+    trainer is that slow on purpose.
+
+    ``finished``: the label of the weights the lease finished this trainer's update into (a
+    weight-transfer load it had made whole), which the server serves; None when the lease
+    finished nothing. The trainer's commit counts such a sync done while the engine still
+    attests that label (``control.run_commit``)."""
+
+    def __init__(self, message: str, finished: str | None = None) -> None:
+        super().__init__(message)
+        self.finished = finished
 
 
 class StageLostError(WeightSyncError, RuntimeError):

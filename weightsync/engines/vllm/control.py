@@ -30,7 +30,7 @@ from ...errors import (
 )
 from ...wire.protocol import LoraLimits, Outcome, raise_failures
 from ..base import Attestation
-from .server_auth import COMMIT_PATH, FENCED_HEADER, LEASE_HEADER
+from .server_auth import COMMIT_PATH, FENCED_HEADER, FINISHED_HEADER, LEASE_HEADER
 from .server_auth import HEADER as TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
@@ -435,8 +435,10 @@ def run_commit(
     read and labelled (`base_label`), the prefix-cache reset, resume. The one composition of
     a commit, on whichever side runs it (the trainer's, a server's pause lease, a Ray actor).
 
-    A failure after the pause is not raised but returned (`Committed.error`), after the
-    recovery: the workers restore the layers the write left unfinished (``weightsync_abandon``;
+    A pause the server's lease ended before this side finished it (`PauseExpiredError`) is not
+    recovered here but counted done where the lease finished the commit's write whole
+    (`_after_expiry`). Any other failure after the pause is not raised but returned
+    (`Committed.error`), after the recovery: the workers restore the layers the write left unfinished (``weightsync_abandon``;
     the layers it finished keep their new weights, a mix a server's middleware fences), the
     prefix cache is reset, a base write labels `UNKNOWN_BASE`, and the engine resumes; if that
     recovery fails the engine is left paused -- never resume a broken engine -- and
@@ -470,6 +472,10 @@ def run_commit(
             if done.version is not None:
                 control.label(base_label(done.version))
         control.reset_prefix_cache()
+    except PauseExpiredError as error:
+        done.version, done.error = _after_expiry(control, call, commit, error)
+        done.pause_s = time.perf_counter() - start
+        return done
     except BaseException as error:  # noqa: BLE001 (returned, after the recovery)
         done.version, done.error = None, error
         done.recovery = _recover(control, call, commit)
@@ -489,6 +495,29 @@ def _version_here(control: Control, call: Rpc, lora: bool) -> str | None:
     now = attestation([o.value for o in outcomes])
     ids = adapter_ids(call("list_loras", {})) if lora else set()
     return version_label(now.epoch, ids, now.adapters)
+
+
+def _after_expiry(
+    control: Control, call: Rpc, commit: Commit, error: PauseExpiredError
+) -> tuple[str | None, BaseException | None]:
+    """A commit whose pause the server's lease ended before this side finished it: the lease
+    settled what the pause left and resumed, so nothing is recovered here (a call made now
+    could abandon or resume another trainer's pause). Where the lease finished this commit's
+    update (``error.finished``, the label it gave those weights) and the workers still attest
+    that label, the commit is done: ``(version, None)``; else ``(None, error)``, the error
+    saying when another write came since."""
+    if error.finished is None or not commit.attest:
+        return None, error
+    try:
+        version = _version_here(control, call, commit.lora)
+    except Exception:  # noqa: BLE001 (unknown: the lease's error stands)
+        return None, error
+    if version is not None and base_label(version) == error.finished:
+        return version, None
+    return None, PauseExpiredError(
+        f"{error} The workers attest {version} now, not that label: another write came "
+        "since, so the engine does not serve this sync's weights."
+    )
 
 
 def _recover(control: Control, call: Rpc, commit: Commit) -> BaseException | None:
@@ -670,10 +699,11 @@ class HTTPControl(Control):
                 f"({r.text[:500]})"
             )
         if r.status_code == 409 and "pause lease" in r.text:
-            self.lease = None  # the server resumed without us: recovery calls go unleased
+            self.lease = None  # the server resumed without us
             raise PauseExpiredError(
                 f"the vLLM server at {self.base_url} did not run {method} {path}: "
-                f"{r.json().get('error', r.text[:500])}"
+                f"{r.json().get('error', r.text[:500])}",
+                finished=r.headers.get(FINISHED_HEADER),
             )
         if r.status_code == 503 and r.headers.get(FENCED_HEADER):
             raise EngineFencedError(

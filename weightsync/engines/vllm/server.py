@@ -13,6 +13,7 @@ import ipaddress
 import os
 import re
 import socket
+import sys
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
@@ -22,7 +23,7 @@ from ...wire.protocol import EngineFacts
 from .control import TOKEN_MIDDLEWARE, WORKER_EXTENSION, HTTPControl, WeightsSpan
 from .remote import RemoteVLLMEngine
 from .server_auth import TOKEN_ENV
-from .transports import Transport
+from .transports import Transport, WeightTransferTransport
 
 
 def is_loopback(host: str) -> bool:
@@ -53,7 +54,10 @@ class VLLMServerEngine(RemoteVLLMEngine):
         base_url: e.g. ``http://127.0.0.1:8000``.
         token: weightsync's token (default: ``WEIGHTSYNC_TOKEN`` from the environment).
         allow_unauthenticated: use a server reached over the network without a token.
-        transport: ``"tmpfs"`` (same host or shared filesystem) or ``"gloo"`` (any host).
+        transport: ``"tmpfs"`` (same host or shared filesystem) or ``"gloo"`` (any host), or a
+            `Transport`. A weight-transfer transport holding vLLM's
+            ``HTTPVLLMWeightSyncClient`` of this server makes its calls through this engine's
+            control instead (`_speak_through`).
         **kwargs: see `RemoteVLLMEngine`.
 
     Raises:
@@ -90,6 +94,7 @@ class VLLMServerEngine(RemoteVLLMEngine):
                 f"weights and the token would protect nothing. Start it with --middleware "
                 f"{TOKEN_MIDDLEWARE} and {TOKEN_ENV} in its environment"
             )
+        _speak_through(transport, control)
         super().__init__(control, transport=transport, **kwargs)
 
     def _read_facts(self, transport: str | Transport) -> EngineFacts:
@@ -149,3 +154,22 @@ class VLLMServerEngine(RemoteVLLMEngine):
 
     #: How this engine's weights are written, for `describe`.
     writes_through = "worker extension"
+
+
+def _speak_through(transport: str | Transport, control: HTTPControl) -> None:
+    """Give a weight-transfer transport that holds vLLM's ``HTTPVLLMWeightSyncClient`` of this
+    server the engine's own control as its client. vLLM's client sends neither weightsync's
+    token nor the pause's lease (``server_lease.py``): a trainer slow inside its pause would
+    have its late ``finish_weight_update`` run unleased, after the lease had settled its update
+    -- an error with nothing to say what the server serves, or, when another trainer had
+    opened an update meanwhile, the finish of *that* update, part-loaded. Through the control
+    the late call is refused and told what the lease did."""
+    clients = sys.modules.get("vllm.distributed.weight_transfer.clients")
+    client = getattr(transport, "client", None)
+    if (
+        isinstance(transport, WeightTransferTransport)
+        and clients is not None
+        and isinstance(client, clients.HTTPVLLMWeightSyncClient)
+        and client.base_url.rstrip("/") == control.base_url
+    ):
+        transport.client = control

@@ -36,11 +36,13 @@ HEADER = "x-weightsync-token"
 #: The names weightsync's trainer and its pause lease (``server_lease.py``) share, here so that
 #: the trainer's side imports no middleware: the header carrying a pause's lease id (answered by
 #: ``/pause``, sent back by the trainer), the header of a fenced server's 503 answers (the
-#: trainer tells them from other 503s by it), and the route that runs a whole commit on the
-#: server's side in one call (``POST``, a ``control.Commit`` as JSON; answers a
-#: ``control.Committed``).
+#: trainer tells them from other 503s by it), the header of a late call's 409 naming the label
+#: of the weights the expired pause's lease finished that trainer's update into, and the route
+#: that runs a whole commit on the server's side in one call (``POST``, a ``control.Commit`` as
+#: JSON; answers a ``control.Committed``).
 LEASE_HEADER = "x-weightsync-lease"
 FENCED_HEADER = "x-weightsync-fenced"
+FINISHED_HEADER = "x-weightsync-lease-finished"
 COMMIT_PATH = "/weightsync/commit"
 
 #: Shortest token accepted: a guessable token guards nothing.

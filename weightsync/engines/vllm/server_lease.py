@@ -46,7 +46,10 @@ receive times out, lease or not.
 The trainer learns of an expiry: ``/pause`` answers with a lease id (``X-Weightsync-Lease``),
 the trainer sends it with every call of that pause, and a call carrying an expired lease is
 answered 409 with the reason, never run -- a trainer that was only slow does not write into a
-server that resumed without it.
+server that resumed without it. Where the lease finished the trainer's update, the answer says
+so and names the label of those weights (``X-Weightsync-Lease-Finished``): the trainer's write
+is what the server serves, and the trainer, which alone knows what it wrote, counts its sync
+done if the workers still attest that label, or raises if another write came since.
 
 The fence. A weight write that fails part-way (a worker error while applying, a bucket refused
 mid-stream, a gloo stream cut) leaves the layers vLLM's layerwise reload had finished with their
@@ -75,17 +78,20 @@ Standard library only when vLLM imports it by name at start; the commit route im
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .server_auth import (
     COMMIT_PATH,
     FENCED_HEADER,
+    FINISHED_HEADER,
     LEASE_HEADER,
     OPEN,
     Receive,
@@ -166,7 +172,7 @@ class PauseLease:
         self.app = app
         self.lease_s = lease
         self.held: str | None = None  # the lease id of the pause in force
-        self._expired: dict[str, float] = {}  # lease id -> when it expired
+        self._expired: dict[str, _Expired] = {}  # lease id -> what its expiry did
         self._inflight = 0  # weightsync calls being served now
         self._last = time.monotonic()  # when the last one ended
         self._watch: asyncio.Task[None] | None = None
@@ -396,9 +402,16 @@ class PauseLease:
         what the workers hold (`_label`), reset the prefix cache, resume; a server whose
         workers cannot be restored is left paused (never resume a broken engine) and says so."""
         self.held = None
-        self._expired[lease] = time.time()
+        expired = self._expired[lease] = _Expired(time.time())
         while len(self._expired) > 64:
             self._expired.pop(next(iter(self._expired)))
+        try:
+            await self._settle(engine, quiet, expired)
+        finally:
+            expired.settled.set()
+
+    async def _settle(self, engine: Any, quiet: float, expired: _Expired) -> None:
+        """`_expire`'s work; ``expired.finished`` set when the trainer's update was finished."""
         logger.warning(
             "weightsync: the pause taken %.1f s ago saw no call since; its lease (%s=%g) "
             "expired: restoring unfinished layers and resuming",
@@ -428,6 +441,7 @@ class PauseLease:
             )
             return
         if finished:
+            expired.finished = label
             logger.warning(
                 "weightsync: finished the weight update its trainer had loaded whole (every "
                 "weight of the engine) and left unfinished; resumed on it, labelled %s",
@@ -469,13 +483,43 @@ def _header(scope: Scope, name: str) -> str | None:
     return None
 
 
-async def _refuse(send: Send, lease: str, expired_at: float | None, lease_s: float) -> None:
-    when = (
-        f"it expired at {time.strftime('%H:%M:%S', time.localtime(expired_at))} after {lease_s:g} s "
-        "without a call, and the server resumed on the weights its workers held"
-        if expired_at is not None
-        else "the server holds no such pause (it was resumed, or the server restarted)"
-    )
+@dataclass
+class _Expired:
+    """What a pause's lease did when it expired, told to its trainer's late calls."""
+
+    at: float  # when (``time.time()``)
+    #: Set once the workers were settled and the server resumed: a late call waits for it, so
+    #: its answer says how the settle ended.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The label of the weights the lease finished the trainer's update into (a load it had
+    #: made whole); None: nothing was finished (what the pause left was abandoned).
+    finished: str | None = None
+
+
+#: How long a late call waits for its expired pause's settle to end before it is answered.
+SETTLE_WAIT_S = 60.0
+
+
+async def _refuse(send: Send, lease: str, expired: _Expired | None, lease_s: float) -> None:
+    """Answer a call of a pause that is over (409), nothing run. The trainer whose update the
+    lease finished learns it (`FINISHED_HEADER`: the label of those weights): its write is
+    served, and only it can tell whether the engine changed since."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    if expired is None:
+        when = "the server holds no such pause (it was resumed, or the server restarted)"
+    else:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(expired.settled.wait(), SETTLE_WAIT_S)
+        at = time.strftime("%H:%M:%S", time.localtime(expired.at))
+        when = f"it expired at {at} after {lease_s:g} s without a call, and the server "
+        if expired.finished is None:
+            when += "resumed on the weights its workers held"
+        else:
+            when += (
+                "finished the weight update its trainer had loaded whole and resumed on it, "
+                f"labelled {expired.finished}"
+            )
+            headers = ((FINISHED_HEADER.encode(), expired.finished.encode()),)
     await answer_error(
-        send, 409, f"weightsync pause lease {lease} is over: {when}. Nothing was run."
+        send, 409, f"weightsync pause lease {lease} is over: {when}. Nothing was run.", headers
     )

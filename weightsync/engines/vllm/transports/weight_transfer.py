@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .... import timing
+from ....errors import PauseExpiredError
 from ....plan import Bucket
 from ....wire import gloo
 from ....wire.delta import SentCopies, WireCount
@@ -98,9 +99,9 @@ class WeightTransferTransport(Transport):
 
     ``client`` is a ``VLLMWeightSyncClient``: vLLM's ``HTTPVLLMWeightSyncClient(url)`` for a
     server started with ``--weight-transfer-config '{"backend": "weightsync"}'``, or
-    `LLMWeightSyncClient` for an ``LLM(weight_transfer_config=...)``. With a server, pass an
-    ``HTTPControl(url, token=...)`` instead when the server checks weightsync's token (vLLM's
-    own HTTP client sends none). ``tagged``: tag every bucket (``wire.tags``): the key and a
+    `LLMWeightSyncClient` for an ``LLM(weight_transfer_config=...)``. A ``VLLMServerEngine``
+    makes the calls of vLLM's HTTP client through its own ``HTTPControl`` (vLLM's client sends
+    neither weightsync's token nor the pause's lease; ``server._speak_through``). ``tagged``: tag every bucket (``wire.tags``): the key and a
     file's tag travel in the ``update_weights`` payload, a stream's tags in the stream.
     """
 
@@ -185,6 +186,8 @@ class WeightTransferTransport(Transport):
         server's middleware sees a mix the failure left)."""
         try:
             load()
+        except PauseExpiredError:  # the lease settled and closed the update: nothing is ours
+            raise
         except BaseException as error:
             self._close_given_up(rpc, error)
             raise
