@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 from conftest import one_per_bucket
 from lease_trainer import answered, kill_seeds, run, staged_bytes, watch_stage
 
@@ -30,9 +31,9 @@ from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync
 from weightsync import testing as T
 from weightsync.engines import GlooTransport, VLLMServerEngine
-from weightsync.engines.vllm.server_auth import TOKEN_ENV
+from weightsync.engines.vllm.server_auth import BUSY_HEADER, TOKEN_ENV
 from weightsync.engines.vllm.server_lease import COMMIT_PATH, PauseLease
-from weightsync.errors import PauseExpiredError, StageExpiredError
+from weightsync.errors import EngineBusyError, PauseExpiredError, StageExpiredError
 
 LEASE_S = 3.0
 #: How long the workers keep a completed stage nobody commits (``WEIGHTSYNC_STAGE_EXPIRY_S``).
@@ -189,6 +190,79 @@ def test_a_slow_trainer_learns_its_lease_ran_out(server):
         T.assert_matches(model, engine)
     finally:
         engine.close()
+
+
+def test_while_a_trainer_holds_the_pause_no_other_caller_writes_resumes_or_finishes(server):
+    """A pause is one caller's: while a trainer holds it, another trainer's sync and every
+    weight-changing route called without the pause's lease -- vLLM's own weight-transfer
+    routes, ``/resume``, ``/pause``, a worker call that abandons -- are refused (409, nothing
+    run); reads are served and do not keep the pause alive, so a holder that goes silent is
+    still resumed by its lease. Then the other trainer syncs, exactly."""
+    holder, other = VLLMServerEngine(server.url), VLLMServerEngine(server.url)
+    try:
+        mine, theirs = T.tiny_model("llama"), T.tiny_model("llama")
+        T.perturb(mine, seed=46, scale=0.2)
+        T.perturb(theirs, seed=47, scale=0.2)
+        FullSync().sync(mine, holder)
+        holder.control.pause()
+        with pytest.raises(EngineBusyError, match="holds this server's pause"):
+            FullSync().sync(theirs, other)
+        for path, body in (
+            ("/resume", None),
+            ("/pause", None),
+            ("/start_weight_update", None),
+            ("/finish_weight_update", None),
+            ("/reset_prefix_cache", None),
+            ("/collective_rpc", {"method": "weightsync_abandon"}),
+        ):
+            r = requests.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 409 and r.headers.get(BUSY_HEADER) == "1", (path, r.text)
+            assert f"POST {path} was not run" in r.json()["error"]
+        assert other.control.rpc("weightsync_attest", {})  # a read of another caller: served
+        start = time.monotonic()
+        while requests.get(server.url + "/is_paused", timeout=60).json()["is_paused"]:
+            assert time.monotonic() - start < BOUND_S, "reads kept a silent holder's pause"
+            time.sleep(0.25)
+        tokens, _ = answered(server.url, PROMPTS, BOUND_S)
+        assert tokens == greedy(mine)  # nothing another caller sent was run
+        with pytest.raises(PauseExpiredError):
+            holder.control.resume()
+        FullSync().sync(theirs, other)
+        T.assert_matches(theirs, other)
+    finally:
+        holder.close()
+        other.close()
+
+
+def test_a_commit_running_turns_away_writes_and_serves_reads():
+    """While a commit runs on the server, a worker call that writes is refused without
+    reaching vLLM, and a read reaches it with its body intact."""
+    reached: list[bytes] = []
+
+    async def app(scope, receive, send):
+        reached.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    lease = PauseLease(app)
+    lease._commit = object()  # a commit in flight
+    answers: list[dict] = []
+
+    async def send(message):
+        answers.append(message)
+
+    for method in ("weightsync_abandon", "weightsync_attest"):
+        body = b'{"method": "%s", "kwargs": {}}' % method.encode()
+
+        async def receive(body=body):
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "path": "/collective_rpc", "method": "POST", "headers": []}
+        asyncio.run(lease(scope, receive, send))
+    refused, served = answers[0], answers[2]
+    assert refused["status"] == 409 and (BUSY_HEADER.encode(), b"1") in refused["headers"]
+    assert b"commit runs on this server" in answers[1]["body"]
+    assert served["status"] == 200 and reached == [b'{"method": "weightsync_attest", "kwargs": {}}']
 
 
 def test_the_commit_route_asks_for_the_token_itself(monkeypatch):

@@ -469,7 +469,7 @@ def test_a_load_its_trainer_left_unfinished_is_finished_or_fenced_by_the_lease(
         transport._commit = lambda rpc, load: load()  # the load call, then nothing
         staged = transport.prepare(engine.rpc, buckets)
         try:
-            HTTPControl(url).pause()  # the trainer's pause: only the lease ends it
+            engine.control.pause()  # the trainer's pause: only the lease ends it
             staged.apply()
         finally:
             staged.drop()

@@ -188,6 +188,14 @@ class EngineFencedError(WeightSyncError, RuntimeError):
     ReloadWeights) completes. The message carries the server's reason."""
 
 
+class EngineBusyError(WeightSyncError, RuntimeError):
+    """A ``vllm serve`` server refused a call (HTTP 409, nothing run) because another caller
+    holds its pause or runs a commit on it (``engines/vllm/server_lease.py``): while a pause is
+    in force only calls carrying its lease, and reads, are run, so one trainer cannot resume,
+    finish, abandon or write into another's update. The server serves what it served. Sync
+    again once the other write ends (its lease bounds it)."""
+
+
 class StaleRolloutError(WeightSyncError, RuntimeError):
     """A rollout batch's sampled-token logprobs are further from the trainer's than the engine's
     tolerance allows (`weightsync.alarm`): the engine generated from other weights than the

@@ -24,13 +24,14 @@ from ... import errors
 from ...errors import (
     AdapterError,
     AuthError,
+    EngineBusyError,
     EngineFencedError,
     EngineUnavailableError,
     PauseExpiredError,
 )
 from ...wire.protocol import LoraLimits, Outcome, raise_failures
 from ..base import Attestation
-from .server_auth import COMMIT_PATH, FENCED_HEADER, FINISHED_HEADER, LEASE_HEADER
+from .server_auth import BUSY_HEADER, COMMIT_PATH, FENCED_HEADER, FINISHED_HEADER, LEASE_HEADER
 from .server_auth import HEADER as TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
@@ -654,6 +655,8 @@ class HTTPControl(Control):
         Raises:
             PauseExpiredError: the server's pause lease ran out before this call of the pause
                 came (``server_lease.py``); the call was not run.
+            EngineBusyError: another caller holds the server's pause or runs a commit on it;
+                the call was not run (``server_lease.py``).
             EngineFencedError: the server refuses to generate: a weightsync write failed
                 part-way and left a mix of old and new layers (``server_lease.py``).
             EngineUnavailableError: the server refuses the connection, resets it twice, or does
@@ -704,6 +707,11 @@ class HTTPControl(Control):
                 f"the vLLM server at {self.base_url} did not run {method} {path}: "
                 f"{r.json().get('error', r.text[:500])}",
                 finished=r.headers.get(FINISHED_HEADER),
+            )
+        if r.status_code == 409 and r.headers.get(BUSY_HEADER):
+            raise EngineBusyError(
+                f"the vLLM server at {self.base_url} did not run {method} {path}: "
+                f"{r.json().get('error', r.text[:500])}"
             )
         if r.status_code == 503 and r.headers.get(FENCED_HEADER):
             raise EngineFencedError(

@@ -55,9 +55,9 @@ class VLLMServerEngine(RemoteVLLMEngine):
         token: weightsync's token (default: ``WEIGHTSYNC_TOKEN`` from the environment).
         allow_unauthenticated: use a server reached over the network without a token.
         transport: ``"tmpfs"`` (same host or shared filesystem) or ``"gloo"`` (any host), or a
-            `Transport`. A weight-transfer transport holding vLLM's
-            ``HTTPVLLMWeightSyncClient`` of this server makes its calls through this engine's
-            control instead (`_speak_through`).
+            `Transport`. A weight-transfer transport whose client speaks to this server
+            (vLLM's ``HTTPVLLMWeightSyncClient``, an `HTTPControl`) makes its calls through
+            this engine's control instead, which holds the pause's lease (`_speak_through`).
         **kwargs: see `RemoteVLLMEngine`.
 
     Raises:
@@ -157,19 +157,20 @@ class VLLMServerEngine(RemoteVLLMEngine):
 
 
 def _speak_through(transport: str | Transport, control: HTTPControl) -> None:
-    """Give a weight-transfer transport that holds vLLM's ``HTTPVLLMWeightSyncClient`` of this
-    server the engine's own control as its client. vLLM's client sends neither weightsync's
-    token nor the pause's lease (``server_lease.py``): a trainer slow inside its pause would
-    have its late ``finish_weight_update`` run unleased, after the lease had settled its update
-    -- an error with nothing to say what the server serves, or, when another trainer had
-    opened an update meanwhile, the finish of *that* update, part-loaded. Through the control
-    the late call is refused and told what the lease did."""
+    """Give a weight-transfer transport whose client speaks to this server (vLLM's
+    ``HTTPVLLMWeightSyncClient``, or an `HTTPControl` of its own) the engine's own control as
+    its client. The server runs a pause's calls only when they carry its lease
+    (``server_lease.py``), which the engine's control holds: another client's calls inside the
+    engine's pause would be refused as another caller's. vLLM's client sends neither the token
+    nor the lease: a trainer slow inside its pause would have its late ``finish_weight_update``
+    run unleased, after the lease had settled its update. Through the control the late call is
+    refused and told what the lease did."""
     clients = sys.modules.get("vllm.distributed.weight_transfer.clients")
     client = getattr(transport, "client", None)
+    kinds = (HTTPControl,) if clients is None else (HTTPControl, clients.HTTPVLLMWeightSyncClient)
     if (
         isinstance(transport, WeightTransferTransport)
-        and clients is not None
-        and isinstance(client, clients.HTTPVLLMWeightSyncClient)
+        and isinstance(client, kinds)
         and client.base_url.rstrip("/") == control.base_url
     ):
         transport.client = control

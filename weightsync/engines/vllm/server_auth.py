@@ -37,12 +37,14 @@ HEADER = "x-weightsync-token"
 #: the trainer's side imports no middleware: the header carrying a pause's lease id (answered by
 #: ``/pause``, sent back by the trainer), the header of a fenced server's 503 answers (the
 #: trainer tells them from other 503s by it), the header of a late call's 409 naming the label
-#: of the weights the expired pause's lease finished that trainer's update into, and the route
-#: that runs a whole commit on the server's side in one call (``POST``, a ``control.Commit`` as
-#: JSON; answers a ``control.Committed``).
+#: of the weights the expired pause's lease finished that trainer's update into, the header of
+#: a 409 refusing a call because another caller's pause or commit is in force (nothing run),
+#: and the route that runs a whole commit on the server's side in one call (``POST``, a
+#: ``control.Commit`` as JSON; answers a ``control.Committed``).
 LEASE_HEADER = "x-weightsync-lease"
 FENCED_HEADER = "x-weightsync-fenced"
 FINISHED_HEADER = "x-weightsync-lease-finished"
+BUSY_HEADER = "x-weightsync-busy"
 COMMIT_PATH = "/weightsync/commit"
 
 #: Shortest token accepted: a guessable token guards nothing.

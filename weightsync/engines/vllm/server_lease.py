@@ -51,6 +51,15 @@ so and names the label of those weights (``X-Weightsync-Lease-Finished``): the t
 is what the server serves, and the trainer, which alone knows what it wrote, counts its sync
 done if the workers still attest that label, or raises if another write came since.
 
+One caller at a time. While a pause is in force, or a commit runs, only the calls carrying
+that pause's lease are run, besides reads (``GET`` routes, the worker calls of `READS`) and
+generation. Any other call -- another trainer's sync, vLLM's own client starting or finishing
+an update, a ``/resume`` or ``/pause`` of someone else's, a worker call that writes or abandons
+-- is answered 409 with ``X-Weightsync-Busy`` and not run (the trainer's ``errors.EngineBusyError``): it
+would otherwise finish, abandon or resume a write it does not own, or write into it. A read of
+another caller neither renews the lease nor holds its expiry off: a client polling the server
+does not keep a dead trainer's pause alive.
+
 The fence. A weight write that fails part-way (a worker error while applying, a bucket refused
 mid-stream, a gloo stream cut) leaves the layers vLLM's layerwise reload had finished with their
 new weights and the rest with their old: a mix, which generates plausible but wrong tokens.
@@ -89,6 +98,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .server_auth import (
+    BUSY_HEADER,
     COMMIT_PATH,
     FENCED_HEADER,
     FINISHED_HEADER,
@@ -200,11 +210,15 @@ class PauseLease:
         if path == COMMIT_PATH and scope["method"] == "POST":
             await self._committing(scope, receive, send, given)
             return
-        if path == "/pause" and self._commit is not None:
-            await answer_error(send, 409, "weightsync: a commit runs on this server: not paused")
-            return
         if given is not None and given != self.held:
             await _refuse(send, given, self._expired.get(given), self.lease_s)
+            return
+        if given is None and self._busy() and admitted(scope):  # no token: the guard answers
+            receive, reads = await _only_reads(scope, path, receive)
+            if not reads:
+                await _refuse_busy(send, f"{scope['method']} {path}", self._busy())
+                return
+            await self.app(scope, receive, send)  # another caller's read: it renews no lease
             return
         status: list[int] = []
         answer = self._answering(path, scope, send, status)
@@ -242,6 +256,15 @@ class PauseLease:
             await send(message)
 
         return answer
+
+    def _busy(self) -> str:
+        """What holds the server for one caller ("" when nothing does): a commit running, or a
+        pause in force."""
+        if self._commit is not None:
+            return "another caller's commit runs on this server"
+        if self.held is not None:
+            return "another caller holds this server's pause (its weight write is under way)"
+        return ""
 
     # --- the fence ---------------------------------------------------------------------------
 
@@ -340,8 +363,7 @@ class PauseLease:
             await answer_error(send, 401, f"weightsync token required ({TOKEN_HEADER} header)")
             return
         if self._commit is not None or (self.held is not None and lease != self.held):
-            why = "another commit runs" if self._commit is not None else "another pause holds it"
-            await answer_error(send, 409, f"weightsync: {why} on this server: nothing was run")
+            await _refuse_busy(send, f"POST {COMMIT_PATH}", self._busy())
             return
         body = b""
         while True:
@@ -474,6 +496,60 @@ class PauseLease:
             label = base_label(version)
         await engine.update_weight_version(label)
         return label
+
+
+#: Worker calls (``/collective_rpc`` methods) that read and change nothing, run for any caller
+#: while another's pause or commit is in force: the facts, the attested version, a check of
+#: files, the delta copies' state, the staged bytes, the adapters loaded.
+READS = frozenset(
+    {
+        "weightsync_facts",
+        "weightsync_attest",
+        "weightsync_check_files",
+        "weightsync_delta_state",
+        "weightsync_delta_digests",
+        "weightsync_staged_bytes",
+        "list_loras",
+    }
+)
+
+
+async def _only_reads(scope: Scope, path: str, receive: Receive) -> tuple[Receive, bool]:
+    """Whether a request only reads (a ``GET``, or a ``/collective_rpc`` of a method in
+    `READS`), and the ``receive`` to hand on: a ``/collective_rpc`` body read here is replayed
+    to the route."""
+    if scope["method"] in ("GET", "HEAD"):
+        return receive, True
+    if path != "/collective_rpc":
+        return receive, False
+    messages: list[MutableMapping[str, Any]] = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+    body = b"".join(bytes(m.get("body", b"")) for m in messages)
+    try:
+        method = json.loads(body).get("method")
+    except (ValueError, AttributeError):
+        method = None
+
+    async def replay() -> MutableMapping[str, Any]:
+        return messages.pop(0) if messages else await receive()
+
+    return replay, method in READS
+
+
+async def _refuse_busy(send: Send, call: str, why: str) -> None:
+    """Answer a call made while another caller's pause or commit is in force (409, nothing
+    run, `BUSY_HEADER`)."""
+    await answer_error(
+        send,
+        409,
+        f"weightsync: {why}: {call} was not run. A call inside a pause carries its lease "
+        f"({HEADER} header); reads and generation are served meanwhile.",
+        ((BUSY_HEADER.encode(), b"1"),),
+    )
 
 
 def _header(scope: Scope, name: str) -> str | None:
