@@ -43,6 +43,7 @@ from weightsync.engines.vllm.control import HTTPControl, base_label
 from weightsync.errors import (
     AuthError,
     BaseDiscardedError,
+    BaseUnprovenError,
     EngineAsleepError,
     EngineBrokenError,
     EngineFencedError,
@@ -373,6 +374,37 @@ def test_sleep_made_by_another_client_is_seen(engines, servers):
     assert not engine.asleep and engine.sleep_level == 1 and not engine.base_discarded
     FullSync().sync(full_model(ARCH[1], seed=44), engine)
     assert engine.sleep_level == 0
+
+
+def test_a_write_right_after_a_commit_is_not_taken_for_the_trainers(engines, servers, caplog):
+    """Another client's sync lands between a trainer's commit (which attested the workers'
+    epoch while paused) and the trainer's record of that write: the trainer does not record
+    the base as its own, so the adapter alone is refused (it would land on the other client's
+    base) and the base is restored with it, exactly."""
+    engine = engines(1, "tmpfs")
+    other = VLLMServerEngine(servers[1].url)
+    try:
+        model = lora_model(ARCH[1], seed=48)
+        FullSync().sync(full_model(ARCH[1], seed=49), engine)
+        forward = engine.control.commit
+
+        def commit_then_another_write(commit):
+            answer = forward(commit)
+            del engine.control.commit  # once
+            FullSync().sync(full_model(ARCH[1], seed=50), other)
+            return answer
+
+        engine.control.commit = commit_then_another_write  # type: ignore[method-assign]
+        with caplog.at_level("WARNING"):
+            FullSync(lora="separate").sync(model, engine)
+        assert "written by someone else right after this sync committed" in caplog.text
+        T.perturb(model, seed=51, scale=0.3)
+        with pytest.raises((BaseDiscardedError, BaseUnprovenError)):
+            AdapterSync().sync(model, engine)
+        FullSync(lora="separate").sync(model, engine)
+        T.assert_matches(model, engine, atol=ATOL)
+    finally:
+        other.close()
 
 
 def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers):

@@ -16,12 +16,15 @@ writes.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
 from ..errors import BadArgumentError, BaseDiscardedError, EngineAsleepError
 from .contract import Attestation, EngineContract, EngineFacts
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT",
@@ -206,6 +209,16 @@ class Engine(EngineContract):
         before (a level-1 sleep)."""
         before = self._checked
         now = self.attest() if after is None else after
+        if after is None and not self._written_at(now):
+            # Another write came between this write's commit and now: the engine holds that
+            # write (or a mix with it), not only this one. Keep no record; restore fully next.
+            logger.warning(
+                "weightsync: %s was written by someone else right after this sync committed "
+                "(its epoch moved between the commit and now); the next sync restores it fully",
+                self.describe(),
+            )
+            self.mark_lost()
+            return
         intact = before is not None and before.harm < 2  # the base survived up to this write
         kept = restored or (intact and now.epoch is not None)
         if restored:
@@ -251,6 +264,13 @@ class Engine(EngineContract):
         if self._base is None:
             return CHECKPOINT, "", ""
         return dict(self._base), self._base_source, ""
+
+    def _written_at(self, now: Attestation) -> bool:
+        """Whether ``now``, attested once the last write ended, is still the epoch that write
+        committed: an engine whose commit attests its epoch inside the pause compares the two
+        (`vllm.remote.RemoteVLLMEngine`); one that does not (in process: no other client
+        writes between the commit and the record) says True."""
+        return True
 
     def forget(self) -> None:
         """Drop the record of what the engine holds: the next full sync sends everything."""

@@ -41,7 +41,10 @@ sleep, wake, reload and weight write, by anyone) and the adapter ids the workers
 loads do not move the epoch). Each completed write also records the version attested at its end,
 while the engine is still paused (by the commit, wherever it ran) (`RemoteVLLMEngine.written_version`): that is the version of
 what the write put there, read once, and what `weightsync.Syncer` reports, so a sync costs no
-second round of calls for its version.
+second round of calls for its version. It is also what the trainer's record of the write is
+checked against: another client's write that lands after a commit (between the base commit and
+the adapter's, or before the record is taken) moves the epoch, and the write is then not
+recorded as what the engine holds (`RemoteVLLMEngine._written_at`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from .control import (
     adapter_ids,
     adapter_window,
     attestation,
+    base_label,
     run_commit,
     since_arg,
     version_label,
@@ -143,6 +147,10 @@ class RemoteVLLMEngine(Engine):
         self._version = 0
         self._loading = 0  # the adapter version a commit's load_lora step loads
         self._written_version: str | None = None
+        #: The version the last commit of the write under way attested, and whether a commit
+        #: of it found the base moved since the one before (`_written_at`).
+        self._commit_version: str | None = None
+        self._raced = False
         self._attest(None)  # install the workers' ledger now (asleep already: harm 2)
         # vLLM labels outputs "default" until told: name the weights it serves now instead.
         base = version_label(self.attest().epoch)
@@ -223,6 +231,23 @@ class RemoteVLLMEngine(Engine):
         still paused; None before one and after a failed one."""
         return self._written_version
 
+    def check_writable(self, *, restores_base: bool, strategy: str) -> Attestation:
+        now = super().check_writable(restores_base=restores_base, strategy=strategy)
+        self._commit_version, self._raced = None, False  # this write's commits attest anew
+        return now
+
+    def _written_at(self, now: Attestation) -> bool:
+        """Whether the write that just ended is all the engine holds since it began: its last
+        commit attested the workers' epoch while still paused (`written_version`), and the
+        epoch now is that one (another client's write after that commit moves it); and no
+        commit of it that wrote no base weights found the epoch moved since the one before
+        (a write between the base commit and the adapter's)."""
+        if self._raced:
+            return False
+        if self._commit_version is None:  # nothing attested inside a commit of this write
+            return True
+        return version_label(now.epoch) == base_label(self._commit_version)
+
     def _version_now(self) -> str | None:
         """The workers' epoch, the adapter writes they counted and, if LoRA is enabled, the
         adapter ids they hold (vLLM's own ``list_loras`` on every worker: the engine's listing,
@@ -284,6 +309,10 @@ class RemoteVLLMEngine(Engine):
         self._committed_steps(commit.steps[: answer.done])
         error = answer.error
         if error is None:
+            if answer.version is not None:
+                if not base and self._commit_version is not None:
+                    self._raced |= base_label(answer.version) != base_label(self._commit_version)
+                self._commit_version = answer.version
             self._written_version = answer.version
             return answer
         if base:  # a mix of old and new layers (or a broken engine): only a full restore
