@@ -36,6 +36,13 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   it generated before (old weights whole, never a mix, every replica on one version); the walk
   goes on and the next sync must be exact. (A trainer SIGKILLed mid-sync needs a process of its
   own: ``tests/test_pause_lease_vllm.py``.)
+- other clients' writes, in the random profile (`test_lifecycle_fuzz`): now and then, before a
+  step, another client rewrites an awake engine's weights through vLLM (garbage, as above) and
+  nobody tells weightsync or the caller; and, in a server world, another client's write right
+  after a commit of a sync on the server, while that sync is still running (between a base
+  commit and the adapter's, or after the last). Such a sync is not checked (the engine serves
+  what the other client wrote, after weightsync's commit); what weightsync must do is find the
+  write: the next sync must be exact (or refused, the engine unchanged).
 
 Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
@@ -347,6 +354,7 @@ class Walk:
     steps: int
     rng: random.Random = field(init=False)
     faults: bool = False  # inject faults into syncs (off for the kept walks of FOUND)
+    foreign: bool = False  # other clients write the engines (the random profile only)
     #: How bytes reach the server ("tmpfs" through weightsync's extension, "wt-files" or
     #: "wt-gloo" through vLLM's weight-transfer API); None: by the seed, in turn. The kept
     #: walks of FOUND found their bugs over tmpfs.
@@ -364,6 +372,7 @@ class Walk:
         self.mix_rng = random.Random(f"mix-{self.seed}")
         self.fault_rng = random.Random(f"fault-{self.seed}")
         self.split_rng = random.Random(f"split-{self.seed}")
+        self.foreign_rng = random.Random(f"foreign-{self.seed}")
         self.split: str | None = None  # how the KV cache sleeping through this sync is woken
         e = self.engines
         if self.carrier is None:  # in turn, so the short profile's server worlds get each
@@ -701,12 +710,16 @@ class Walk:
         with contextlib.ExitStack() as stack:
             writes = {p.name: stack.enter_context(p.count_writes()) for p in self.phys}
             fault = self.arm_fault(stack)
+            foreign = None if fault else self.arm_foreign(stack)
             self.pending_line = "sync"
             try:
                 line = self.run_entry()
             except WeightSyncError as e:
                 if fault and fault[1]:
                     return self.faulted(fault[0], e, before)
+                if foreign and foreign[0] == "written":
+                    line = f"{self.pending_line} -> {type(e).__name__}: {str(e)[:160]}"
+                    return self.overwritten(line, completed=False)
                 self.log(f"{self.pending_line} -> refused: {type(e).__name__}: {str(e)[:160]}")
                 refused = e
                 if isinstance(e, BaseUnprovenError):  # a framework restores the base next
@@ -722,6 +735,8 @@ class Walk:
                 if fault and fault[1]:
                     self.log(f"{self.pending_line} [fault: {fault[0]}]")
                     self.fail(f"the fault {fault[0]} was injected but the sync succeeded")
+                if foreign and foreign[0] == "written":
+                    return self.overwritten("sync: " + line, completed=True)
                 self.log("sync: " + line)
         self.end_split()
         if refused is not None:
@@ -804,6 +819,60 @@ class Walk:
         stack.callback(delattr, transport, "prepare")
         self.log(f"       (fault armed: {kind} at tensor {at} of {victim.name}'s stream)")
         return f"{kind}@{at}", fired
+
+    def arm_foreign(self, stack: contextlib.ExitStack) -> list[str] | None:
+        """Now and then (its own generator), in a server world: another client's write right
+        after the first commit of this sync on the server returns (the pause over, the sync
+        still running). A list that says what became of it: "written", or "refused" (a pause
+        still held: the write is another caller's, answered 409)."""
+        servers = [p for p in self.phys if p.kind == "server" and p.name not in self.asleep]
+        if not self.foreign or not servers or self.foreign_rng.random() >= 0.15:
+            return None
+        victim = servers[0]
+        engine = victim.adapter
+        outcome: list[str] = []
+        commit = engine._paused_write
+
+        def then_another_client(*args, **kwargs):
+            answer = commit(*args, **kwargs)
+            if not outcome:
+                try:
+                    victim.garbage()
+                except requests.HTTPError as e:
+                    if e.response is None or e.response.status_code != 409:
+                        raise
+                    outcome.append("refused")
+                    self.log(f"       another client's write into {victim.name}: 409, refused")
+                else:
+                    outcome.append("written")
+                    self.log(
+                        f"       another client rewrote {victim.name}'s weights right after "
+                        "a commit of this sync"
+                    )
+            return answer
+
+        engine._paused_write = then_another_client
+        stack.callback(delattr, engine, "_paused_write")
+        self.log(f"       (armed: another client's write after a commit on {victim.name})")
+        return outcome
+
+    def overwritten(self, line: str, *, completed: bool) -> None:
+        """A sync another client wrote into after a commit: not checked (the engine serves
+        that client's weights); the next sync must find the write."""
+        self.log(f"{line} [another client wrote after a commit: not checked]")
+        if completed:  # the caller's record of the sleeps it reports: as after any sync
+            self.known_level = 0
+            self.must_report = False
+
+    def foreign_write(self) -> None:
+        """Another client rewrites an awake engine's weights through vLLM; nobody tells
+        weightsync or the caller."""
+        awake = [p for p in self.phys if p.name not in self.asleep]
+        if not awake:
+            return
+        p = self.foreign_rng.choice(awake)
+        p.garbage()
+        self.log(f"other client: rewrote {p.name}'s weights through vLLM (nobody told)")
 
     def arm_inproc_fault(
         self, stack: contextlib.ExitStack, victim: Any
@@ -892,6 +961,8 @@ class Walk:
         for step in range(1, self.steps + 1):
             self.step = step
             rule = self.rng.choices(rules, weights)[0]
+            if self.foreign and self.foreign_rng.random() < 0.1:
+                self.foreign_write()
             rule()
         # the walk ends with a sync, so the last steps are checked too
         self.step += 1
@@ -915,10 +986,15 @@ FOUND_FAULTS = [
 
 
 def walk_and_check(
-    world, seed: int, steps: int, faults: bool = False, carrier: str | None = None
+    world,
+    seed: int,
+    steps: int,
+    faults: bool = False,
+    carrier: str | None = None,
+    foreign: bool = False,
 ) -> None:
     target, setup = WORLDS[seed % len(WORLDS)]
-    walk = Walk(seed, target, setup, world, steps, faults, carrier=carrier)
+    walk = Walk(seed, target, setup, world, steps, faults, foreign, carrier=carrier)
     print(
         f"\n[fuzz] seed {seed}: {target}/{setup}, {steps} steps"
         + (f", server over {walk.carrier}" if target in ("server", "replicas") else ""),
@@ -932,6 +1008,8 @@ def walk_and_check(
             f"[fuzz] seed {seed}: ok, {len(syncs)} syncs "
             f"({sum('refused' in h for h in syncs)} refused, "
             f"{sum('-> fault' in h for h in syncs)} failed by a fault, "
+            f"{sum('another client wrote after' in h for h in syncs)} written into after a "
+            f"commit, {sum('other client:' in h for h in walk.history)} other writes, "
             f"{sum('sleeps through the sync' in h for h in walk.history)} with the KV cache asleep"
             + (f", {merged} merged into the served engine" if walk.served else "")
             + ")",
@@ -945,7 +1023,7 @@ def walk_and_check(
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_lifecycle_fuzz(world, seed):
-    walk_and_check(world, seed, STEPS, faults=True)
+    walk_and_check(world, seed, STEPS, faults=True, foreign=True)
 
 
 @pytest.mark.parametrize(("seed", "steps", "what"), FOUND, ids=[str(f[0]) for f in FOUND])
