@@ -27,12 +27,16 @@ LORA = {"r": 8, "lora_alpha": 16, "target_modules": MODULES}  # this module's: e
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("memlora")
-    return {
+    engines = {
         arch: VLLMEngine(
             T.make_llm(T.save_checkpoint(T.tiny_model(arch), root / arch), enable_lora=True)
         )
         for arch in ("qwen2", "llama")
     }
+    engines["qwen2-bf16"] = VLLMEngine(
+        T.make_llm(str(root / "qwen2"), enable_lora=True, dtype="bfloat16")
+    )
+    return engines
 
 
 @pytest.fixture(autouse=True)
@@ -187,6 +191,14 @@ def _served(worker, lora_id):
     return id(inner.get_adapter(lora_id)), slot
 
 
+def _replayed(worker, lora_id):
+    """Whether the slot of the adapter under ``lora_id`` is written by replayed copies."""
+    from weightsync.engines.vllm.in_engine import lora as worker_lora
+
+    inner = worker.model_runner.lora_manager._adapter_manager
+    return inner.get_adapter(lora_id) in worker_lora._SLOTS
+
+
 def _evict(worker, lora_id):
     """Free the adapter's slot, as vLLM's LRU does for another adapter, and scribble on it."""
     inner = worker.model_runner.lora_manager._adapter_manager
@@ -208,12 +220,14 @@ def test_a_new_version_written_in_place_is_what_a_fresh_install_builds(engines):
     FullSync(lora="separate").sync(model, engine)
     lora_id = engine.lora_request.lora_int_id
     built, _ = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
-    T.perturb(model, seed=61, scale=0.3)
-    assert_differs(model, engine)
-    adapter_sync(model, engine, memory=True)
-    kept, in_place = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
-    assert kept == built, "the new version was rebuilt, not written in place"
-    T.assert_matches(model, engine, atol=ATOL)
+    for seed in (61, 64):  # the first write into the slot records its copies, the next replays
+        T.perturb(model, seed=seed, scale=0.3)
+        assert_differs(model, engine)
+        adapter_sync(model, engine, memory=True)
+        kept, in_place = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+        assert kept == built, "the new version was rebuilt, not written in place"
+        T.assert_matches(model, engine, atol=ATOL)
+    assert engine.llm.collective_rpc(_replayed, args=(lora_id,))[0]
 
     worker_lora._REFRESHABLE.clear()  # the next install builds anew
     adapter_sync(model, engine, memory=True)
@@ -238,6 +252,33 @@ def test_a_new_version_written_in_place_is_what_a_fresh_install_builds(engines):
     adapter_sync(model, engine, memory=True)
     assert engine.llm.collective_rpc(_served, args=(lora_id,))[0][0] != rebuilt
     T.assert_matches(model, engine, atol=ATOL)
+
+
+def test_a_version_cast_into_a_bfloat16_engine_in_place_is_what_a_fresh_install_builds(engines):
+    # The trainer's float32 factors are cast into vLLM's bfloat16 copy and the scaled ones
+    # scaled after the cast (a fused multiply would round once, not twice): bit for bit a
+    # fresh install's, through the recorded slot copies too.
+    from weightsync.engines.vllm.in_engine import lora as worker_lora
+
+    engine = engines["qwen2-bf16"]
+    model = lora_model("qwen2", seed=65, config=LORA)
+    FullSync(lora="separate").sync(model, engine)
+    lora_id = engine.lora_request.lora_int_id
+    built, _ = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+    for seed in (66, 67):
+        T.perturb(model, seed=seed, scale=0.3)
+        adapter_sync(model, engine, memory=True)
+    kept, in_place = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+    assert kept == built, "the new version was rebuilt, not written in place"
+    assert engine.llm.collective_rpc(_replayed, args=(lora_id,))[0]
+    assert in_place[0].dtype == torch.bfloat16
+
+    worker_lora._REFRESHABLE.clear()
+    adapter_sync(model, engine, memory=True)
+    rebuilt, fresh = engine.llm.collective_rpc(_served, args=(lora_id,))[0]
+    assert rebuilt != built
+    assert len(fresh) == len(in_place)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, in_place, strict=True))
 
 
 def _break_a_layer(worker):

@@ -188,12 +188,20 @@ def modules_of_type(
 
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
+    # type -> (a match, a tuner layer): a model holds a few dozen module types, and
+    # ``isinstance`` of an abstract base class (BaseTunerLayer) costs an ABC check each time.
+    types: dict[type, tuple[bool, bool]] = {}
     while stack:
         prefix, module = stack.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if isinstance(module, kind):
+        cls = type(module)
+        found = types.get(cls)
+        if found is None:
+            found = types[cls] = (issubclass(cls, kind), issubclass(cls, BaseTunerLayer))
+        match, tuner = found
+        if match:
             yield prefix, module
             if not inside:
                 continue
@@ -201,8 +209,9 @@ def modules_of_type(
         if not children:
             continue
         own: tuple[str, ...] = ()
-        if isinstance(module, BaseTunerLayer):
-            own = (*module.adapter_layer_names, *module.other_param_names)
+        if tuner:
+            layer: BaseTunerLayer = module
+            own = (*layer.adapter_layer_names, *layer.other_param_names)
         stack.extend(
             (f"{prefix}.{name}" if prefix else name, child)
             for name, child in reversed(children.items())

@@ -328,10 +328,10 @@ def _refresh(
 
     The result is what a fresh install builds, bit for bit: each key copied into the tensor it
     was built into, then scaled in place as vLLM's ``optimize`` scaled it, then the slot
-    rewritten by each layer's own ``set_lora``. The slot is not zeroed first, as ``set_lora``
-    does: while the adapter stays active its slot was last written by ``set_lora`` from
-    tensors of these very shapes, so the new write covers every element the old one did and
-    the rest is still zero. Skipped are the parse of every key, the checks of a build, the
+    rewritten as each layer's own ``set_lora`` writes it (`_write_slot`). The slot is not
+    zeroed first, as ``set_lora`` does: while the adapter stays active its slot was last
+    written by ``set_lora``'s copies from tensors of these very shapes, so the new write covers
+    every element the old one did and the rest is still zero. Skipped are the parse of every key, the checks of a build, the
     allocation, the packing and the zeroing of the max-rank slot: most of an install.
     """
     lora = inner.get_adapter(lora_int_id)
@@ -359,23 +359,152 @@ def _refresh(
 def _write_in_place(
     inner: Any, lora: Any, record: _Refreshable, sources: list[torch.Tensor], lora_int_id: int
 ) -> None:
-    """`_refresh`'s writes: vLLM's copy of the adapter, then its slot if it is active."""
-    targets = list(record.targets)
-    if all(s.device == t.device for s, t in zip(sources, targets, strict=True)):
-        torch._foreach_copy_(targets, sources)
-    else:
-        for s, t in zip(sources, targets, strict=True):
-            t.copy_(s)
-    for t, scale in zip(targets, record.scales, strict=True):
+    """`_refresh`'s writes: vLLM's copy of the adapter, then its slot if it is active.
+
+    A factor vLLM scaled (``lora_b`` by ``alpha / r``) is written scaled in one pass
+    (``torch.mul(..., out=)``) when it arrives in the dtype and on the device vLLM holds it:
+    the product is then rounded once either way, so it is bitwise the copy-then-scale of a
+    fresh build, for one pass over the factor instead of two (a per-call cost on the hot path
+    of every adapter sync; docs/benchmarks.md). Any other factor is copied as it is (one
+    ``_foreach_copy_`` per device pair) and then scaled in place, as ``optimize`` does."""
+    copies: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
+    scaled: dict[float, list[torch.Tensor]] = {}
+    for s, t, scale in zip(sources, record.targets, record.scales, strict=True):
+        if scale != 1 and s.dtype == t.dtype and s.device == t.device:
+            torch.mul(s, scale, out=t)
+            continue
+        into, source = copies.setdefault((s.device, t.device), ([], []))
+        into.append(t)
+        source.append(s)
         if scale != 1:
-            t *= scale  # as optimize() scaled the fresh copy
+            scaled.setdefault(scale, []).append(t)
+    for (source_device, target_device), (into, source) in copies.items():
+        if source_device == target_device:
+            torch._foreach_copy_(into, source)
+        else:
+            for s, t in zip(source, into, strict=True):
+                t.copy_(s)
+    for scale, group in scaled.items():
+        torch._foreach_mul_(group, scale)  # as optimize() scaled the fresh copy
     if lora_int_id in inner.lora_index_to_id:
-        index = inner.lora_index_to_id.index(lora_int_id)
+        _write_slot(inner, lora, inner.lora_index_to_id.index(lora_int_id), record.targets)
+
+
+# The layers' own ``set_lora`` whose only effect is copies of (views of) the adapter's tensors
+# into (views of) the layer's ``lora_a_stacked`` / ``lora_b_stacked``: the slicing of each
+# packed or tensor-parallel layout, ``reset_lora`` (skipped here), ``copy_`` (read in vLLM 0.32).
+_PURE_SET_LORA = frozenset(
+    {
+        "BaseLinearLayerWithLoRA.set_lora",
+        "MergedColumnParallelLinearWithLoRA.set_lora",
+        "MergedColumnParallelLinearVariableSliceWithLoRA.set_lora",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _SlotCopies:
+    """The copies the layers' ``set_lora`` made into one slot, as recorded (`_write_slot`): each
+    from a view of a tensor vLLM's copy of the adapter holds into a view of a layer's stack."""
+
+    index: int
+    layers: tuple[tuple[Any, Any, Any], ...]  # (layer, its lora_a_stacked, its lora_b_stacked)
+    into: tuple[torch.Tensor, ...]
+    source: tuple[torch.Tensor, ...]
+
+    def current(self, index: int) -> bool:
+        """Whether the copies still reach this slot: the same index, and every layer still holds
+        the stacks they were recorded into."""
+        return index == self.index and all(
+            layer.lora_a_stacked is a and layer.lora_b_stacked is b for layer, a, b in self.layers
+        )
+
+    def replay(self) -> None:
+        if all(d.device == s.device for d, s in zip(self.into, self.source, strict=True)):
+            torch._foreach_copy_(list(self.into), list(self.source))
+            return
+        for d, s in zip(self.into, self.source, strict=True):
+            d.copy_(s, non_blocking=True)
+
+
+# vLLM's copy of an adapter (``LoRAModel``) -> the copies that write it into its slot.
+_SLOTS: weakref.WeakKeyDictionary[Any, _SlotCopies] = weakref.WeakKeyDictionary()
+
+
+def _write_slot(inner: Any, lora: Any, index: int, held: Iterable[torch.Tensor]) -> None:
+    """Write ``lora`` into slot ``index`` of every layer it has weights for, as each layer's own
+    ``set_lora`` does (without zeroing the slot first: `_refresh`).
+
+    ``set_lora`` is called per layer: about a hundred Python calls of slicing and copies, most
+    of an adapter sync's time in vLLM, for a few megabytes. So the first write records the
+    copies it makes (`_Copies`) and a later one into the same slot replays them in one
+    ``_foreach_copy_``: the same copies from the same views, bitwise the same slot. Recorded
+    only when every layer's ``set_lora`` is one read to slice and copy, nothing else
+    (`_PURE_SET_LORA`), no call under it wrote a tensor but by ``copy_``, and every copy read a
+    view of the adapter's ``held`` tensors (a slice vLLM assembled anew, as ``torch.cat`` of
+    tensor-parallel q/k/v shards, is not one) into a view of that layer's stacks; else
+    ``set_lora`` is called every time."""
+    kept = _SLOTS.get(lora)
+    if kept is not None and kept.current(index):
+        kept.replay()
+        return
+    _SLOTS.pop(lora, None)
+    layers = []
+    pure = True
+    with _Copies() as copies:
         for name, module in inner.modules.items():
             weights = inner._get_lora_layer_weights(lora, name)
             if weights:
+                pure = pure and type(module).set_lora.__qualname__ in _PURE_SET_LORA
+                layers.append(
+                    (
+                        module,
+                        getattr(module, "lora_a_stacked", ()),
+                        getattr(module, "lora_b_stacked", ()),
+                    )
+                )
                 with _slot_not_zeroed(module):
                     module.set_lora(index, weights.lora_a, weights.lora_b)
+    sources = {t.untyped_storage().data_ptr() for t in held}
+    slots = {t.untyped_storage().data_ptr() for _, a, b in layers for t in (*a, *b)}
+    if (
+        pure
+        and not copies.other
+        and all(
+            d.untyped_storage().data_ptr() in slots and s.untyped_storage().data_ptr() in sources
+            for d, s in copies.made
+        )
+    ):
+        into, source = zip(*copies.made, strict=True) if copies.made else ((), ())
+        _SLOTS[lora] = _SlotCopies(index, tuple(layers), tuple(into), tuple(source))
+
+
+class _Copies(torch.overrides.TorchFunctionMode):
+    """Records every ``Tensor.copy_`` made under it (``made``: (into, source)) and the name of
+    every other call that may write a tensor (``other``: an in-place op, an item assignment, an
+    ``out=``), running them all as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.other: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is torch.Tensor.copy_:
+            self.made.append((args[0], args[1]))
+        elif (
+            "out" in kwargs
+            or (name.endswith("_") and not name.startswith("__"))
+            or (name.startswith("__") and name not in _READS)
+        ):
+            self.other.append(name)
+        return func(*args, **kwargs)
+
+
+# Dunder calls ``set_lora`` makes that only read (the rest count as writes).
+_READS = frozenset({"__getitem__", "__get__", "__len__", "__bool__", "__index__", "__int__"})
 
 
 @contextmanager
