@@ -407,6 +407,44 @@ def test_a_write_right_after_a_commit_is_not_taken_for_the_trainers(engines, ser
         other.close()
 
 
+def test_a_write_between_two_base_commits_of_one_sync_is_seen(engines, servers, caplog):
+    """A checkpoint reload with a trained ``modules_to_save`` copy commits twice into the base
+    (the reload, then the copy sent after it). Another client's sync landing between the two:
+    the second commit's own write moves the epoch, so only what it read once paused, before
+    its steps, shows the other write; the base is not recorded as the trainer's."""
+    engine = engines(1, "tmpfs")
+    other = VLLMServerEngine(servers[1].url)
+    try:
+        model = lora_model(ARCH[1], seed=52, modules_to_save=["model.norm"])
+        forward = engine.control.commit
+        reloads = []
+
+        def reload_then_another_write(commit):
+            answer = forward(commit)
+            if any(step[1] == "weightsync_reload_checkpoint" for step in commit.steps):
+                reloads.append(commit.what)
+                del engine.control.commit  # once
+                FullSync().sync(full_model(ARCH[1], seed=53), other)
+            return answer
+
+        engine.control.commit = reload_then_another_write  # type: ignore[method-assign]
+        with caplog.at_level("WARNING"):
+            report = ReloadWeights().sync(model, engine)
+        assert reloads and report.tensors > 0, "no second base commit: the test is void"
+        assert "written by someone else right after this sync committed" in caplog.text
+        T.perturb(model, seed=54, scale=0.3)
+        with pytest.raises((BaseDiscardedError, BaseUnprovenError)):
+            AdapterSync().sync(model, engine)
+        FullSync(lora="separate").sync(model, engine)
+        T.assert_matches(model, engine, atol=ATOL)
+        # The trained copy differs from the checkpoint, and is sent after the reload: exact.
+        FullSync().sync(full_model(ARCH[1], seed=55), engine)
+        ReloadWeights().sync(model, engine)
+        T.assert_matches(model, engine, atol=ATOL)
+    finally:
+        other.close()
+
+
 def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers):
     """Issue 19: slept at level 2 and woken by another client between two syncs. When the
     trainer looks, the server is awake; only the engine's own epoch shows the level-2 sleep,

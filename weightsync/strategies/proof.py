@@ -53,7 +53,7 @@ from ..engines.base import CHECKPOINT, Attestation, Engine
 from ..errors import NoCheckpointError, UnsupportedModelError
 from ..plan import Weight, digest
 from ..trainer import peft_support
-from ..trainer.tensors import base_tensors, uncompiled
+from ..trainer.tensors import base_tensors, trained_copies, uncompiled
 
 #: Elements of a tensor whose digest is part of its fingerprint (spread evenly over it).
 SAMPLED_ELEMENTS = 64
@@ -332,7 +332,9 @@ def checkpoint_differs(model: nn.Module, engine: Engine) -> str:
     """Why the trainer's base is not the checkpoint ``engine`` loaded ("" when it is, as far as
     can be checked): a PEFT initialisation that rewrote the base, a trainable base parameter,
     or sampled rows that differ from the checkpoint's (an engine that cannot read its
-    checkpoint gives none: the check then rests on the rest).
+    checkpoint gives none: the check then rests on the rest). The trained ``modules_to_save``
+    copies are not compared: every sync that rests on the checkpoint (an adapter alone, a
+    checkpoint reload) sends them after it.
 
     Raises:
         NoCheckpointError: the engine was started without weight files (a dummy load).
@@ -352,7 +354,12 @@ def checkpoint_differs(model: nn.Module, engine: Engine) -> str:
         why.append(f"base parameters are trainable ({_few(trainable, 3)})")
     if not why:
         # quantized weights are computed (no `held` dtype): the sample skips them
-        base = base_tensors(model, merge_lora=False, expected=engine.expected_weights)
+        sent = {t.name for t in trained_copies(model)}
+        base = [
+            t
+            for t in base_tensors(model, merge_lora=False, expected=engine.expected_weights)
+            if t.name not in sent
+        ]
         why += _sampled_differences(in_engine_format(base, engine), engine)
     return "; ".join(why)
 

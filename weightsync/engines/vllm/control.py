@@ -315,6 +315,10 @@ class Commit:
         restore: the workers restore the layers a failed write left unfinished
             (``weightsync_abandon``); False (a stock server): a failed base write leaves the
             engine paused, never resumed on a mix it cannot fence.
+        attest_before: also read the version once paused, before the steps
+            (`Committed.before`): a base commit after another of the same write, whose caller
+            must see whether anyone wrote between the two (its own steps move the epoch, so
+            the version after them cannot tell).
     """
 
     what: str
@@ -323,6 +327,7 @@ class Commit:
     lora: bool = False
     attest: bool = True
     restore: bool = True
+    attest_before: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -332,6 +337,7 @@ class Commit:
             "lora": self.lora,
             "attest": self.attest,
             "restore": self.restore,
+            "attest_before": self.attest_before,
         }
 
     @classmethod
@@ -350,6 +356,7 @@ class Commit:
                 bool(data["lora"]),
                 bool(data["attest"]),
                 bool(data["restore"]),
+                bool(data.get("attest_before", False)),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a weightsync commit: {e!r}") from e
@@ -372,6 +379,8 @@ class Committed:
         results: the workers' answers of each completed step (None: not an ``rpc`` step).
         version: the engine's version, attested while still paused (None: not committed, or
             an engine that attests none).
+        before: the version read once paused, before the steps (`Commit.attest_before`; else
+            None).
         pause_s: how long the engine generated nothing for others, measured where it ran.
         error: why the commit failed (None: committed).
         recovery: why the recovery after ``error`` failed (None: recovered and resumed);
@@ -384,6 +393,7 @@ class Committed:
     pause_s: float = 0.0
     error: BaseException | None = None
     recovery: BaseException | None = None
+    before: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -393,6 +403,7 @@ class Committed:
             "pause_s": self.pause_s,
             "error": _error_json(self.error),
             "recovery": _error_json(self.recovery),
+            "before": self.before,
         }
 
     @classmethod
@@ -404,6 +415,7 @@ class Committed:
             float(data["pause_s"]),
             _error_from(data["error"]),
             _error_from(data["recovery"]),
+            data.get("before"),
         )
 
 
@@ -454,6 +466,8 @@ def run_commit(
     start = time.perf_counter()
     done = Committed()
     try:
+        if commit.attest_before:
+            done.before = _version_here(control, call, commit.lora)
         for kind, *args in commit.steps:
             if kind == "rpc":
                 answers = call(args[0], args[1])

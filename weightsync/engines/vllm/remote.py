@@ -240,8 +240,11 @@ class RemoteVLLMEngine(Engine):
         """Whether the write that just ended is all the engine holds since it began: its last
         commit attested the workers' epoch while still paused (`written_version`), and the
         epoch now is that one (another client's write after that commit moves it); and no
-        commit of it that wrote no base weights found the epoch moved since the one before
-        (a write between the base commit and the adapter's)."""
+        commit of it found the epoch moved since the one before as it began (a write between
+        the base commit and the adapter's, or between two base commits: a checkpoint reload
+        and the ``modules_to_save`` copies sent after it). A base commit's own steps move the
+        epoch, so a base commit after another reads it once paused, before its steps
+        (`Commit.attest_before`)."""
         if self._raced:
             return False
         if self._commit_version is None:  # nothing attested inside a commit of this write
@@ -295,6 +298,8 @@ class RemoteVLLMEngine(Engine):
             lora=self.serves_lora,
             attest=self._attests,
             restore=self._restores,
+            # a second base commit of this write: was anything written since the first?
+            attest_before=base and self._attests and self._commit_version is not None,
         )
         try:
             if write is None:
@@ -310,8 +315,12 @@ class RemoteVLLMEngine(Engine):
         error = answer.error
         if error is None:
             if answer.version is not None:
-                if not base and self._commit_version is not None:
-                    self._raced |= base_label(answer.version) != base_label(self._commit_version)
+                if self._commit_version is not None:
+                    # what the engine held as this commit began: the version after, for a
+                    # commit that writes no base weights (it moves no epoch)
+                    began = answer.version if not base else answer.before
+                    if began is not None:
+                        self._raced |= base_label(began) != base_label(self._commit_version)
                 self._commit_version = answer.version
             self._written_version = answer.version
             return answer
