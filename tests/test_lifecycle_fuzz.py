@@ -42,7 +42,10 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   after a commit of a sync on the server, while that sync is still running (between a base
   commit and the adapter's, or after the last). Such a sync is not checked (the engine serves
   what the other client wrote, after weightsync's commit); what weightsync must do is find the
-  write: the next sync must be exact (or refused, the engine unchanged).
+  write: the next sync must be exact (or refused, the engine unchanged). Over vLLM's
+  weight-transfer API, whose pause is held across the update's calls, the other client's write
+  may instead come *inside* that pause: it must be answered 409 and never run, and the sync
+  is checked as any other.
 
 Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
@@ -830,6 +833,8 @@ class Walk:
             return None
         victim = servers[0]
         engine = victim.adapter
+        if engine.transport.name.startswith("weight-transfer") and self.foreign_rng.random() < 0.5:
+            return self.arm_foreign_inside(stack, victim)
         outcome: list[str] = []
         commit = engine._paused_write
 
@@ -854,6 +859,37 @@ class Walk:
         engine._paused_write = then_another_client
         stack.callback(delattr, engine, "_paused_write")
         self.log(f"       (armed: another client's write after a commit on {victim.name})")
+        return outcome
+
+    def arm_foreign_inside(self, stack: contextlib.ExitStack, victim: Any) -> list[str]:
+        """Another client's write *inside* this sync's pause on ``victim``: the weight-transfer
+        carriers hold the server's pause across calls (the update's start, load and finish),
+        and a write of anyone else's must be answered 409 and never run (the pause lease's
+        rule, ``server_lease.py``). It is tried once the pause is taken, before the load; the
+        sync then goes on and is checked as any other. A write that ran is the violation."""
+        transport = victim.adapter.transport
+        outcome: list[str] = []
+        commit = transport._commit  # the load and finish, inside the pause
+
+        def another_client_first(rpc, load):
+            if not outcome:
+                try:
+                    victim.garbage()
+                except requests.HTTPError as e:
+                    if e.response is None or e.response.status_code != 409:
+                        raise
+                    outcome.append("refused")
+                    self.log("       another client's write inside the pause: 409, refused")
+                else:
+                    outcome.append("ran")
+                    self.fail(f"another client's write into {victim.name} ran inside a held pause")
+            return commit(rpc, load)
+
+        transport._commit = another_client_first
+        stack.callback(delattr, transport, "_commit")
+        self.log(
+            f"       (armed: another client's write inside this sync's pause on {victim.name})"
+        )
         return outcome
 
     def overwritten(self, line: str, *, completed: bool) -> None:
@@ -1009,7 +1045,8 @@ def walk_and_check(
             f"({sum('refused' in h for h in syncs)} refused, "
             f"{sum('-> fault' in h for h in syncs)} failed by a fault, "
             f"{sum('another client wrote after' in h for h in syncs)} written into after a "
-            f"commit, {sum('other client:' in h for h in walk.history)} other writes, "
+            f"commit, {sum('inside the pause: 409' in h for h in walk.history)} refused inside "
+            f"its pause, {sum('other client:' in h for h in walk.history)} other writes, "
             f"{sum('sleeps through the sync' in h for h in walk.history)} with the KV cache asleep"
             + (f", {merged} merged into the served engine" if walk.served else "")
             + ")",
