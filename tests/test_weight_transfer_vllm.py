@@ -21,6 +21,9 @@ lease finished, is told so and counts its sync done, unless another write came s
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -262,9 +265,14 @@ def test_nan_the_server_served_does_not_outlive_the_next_sync(engines, inner):
     engine = engines(1, inner)
     model = full_model(ARCH, seed=63 + INNERS.index(inner))
     FullSync().sync(model, engine)
-    name = "model.layers.0.self_attn.v_proj.weight"
-    poisoned = dict(model.named_parameters())[name].detach().clone().fill_(float("nan"))
-    engine.transport.send(engine.rpc, [[(name, poisoned)]])
+    # The whole fused q/k/v layer (a layer loaded in part is refused: row 63), v poisoned.
+    own = dict(model.named_parameters())
+    qkv = [f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+    poisoned = [
+        (n, own[n].detach().clone().fill_(float("nan")) if ".v_proj." in n else own[n].detach())
+        for n in qkv
+    ]
+    engine.transport.send(engine.rpc, [poisoned])
     engine.control.reset_prefix_cache()
     prompts = [[(11 * i + 7 * j) % 500 + 3 for j in range(40 + 13 * i)] for i in range(6)]
     # The server computes them, then cannot answer: NaN logprobs are no JSON.
@@ -423,16 +431,33 @@ def label_of(url: str) -> str:
 
 
 #: What a trainer that goes silent once its load call was answered had loaded, on which server:
-#: every weight (``whole``: the lease finishes the update), the first three tensors only
-#: (``partial``: no error, but not every weight), or a stream a worker failed on after the
-#: embeddings (``failed``: gloo ``stage=False``, a name the engine does not load).
+#: every weight (``whole``: the lease finishes the update); the embeddings (with the head tied
+#: to them) and the first decoder layer only, whole layers, in the call marked as the update's
+#: last (``layers``: a sync that
+#: skipped the rest, as the engine provably holds them -- the lease finishes it too); the same
+#: in a call not so marked (``unfinished``: more may have been coming, so no error but not
+#: whole); the first three tensors, which load part of the fused q/k/v layer (``partial``:
+#: never whole); or a stream a worker failed on after the embeddings (``failed``: gloo
+#: ``stage=False``, a name the engine does not load).
 LEFT = [
     pytest.param(1, "whole", "files", id="tp1-whole-files"),
     pytest.param(2, "whole", "files", id="tp2-whole-files"),
     pytest.param(1, "whole", "gloo", id="tp1-whole-gloo"),
+    pytest.param(1, "layers", "files", id="tp1-layers-files"),
+    pytest.param(1, "unfinished", "files", id="tp1-unfinished-files"),
     pytest.param(1, "partial", "files", id="tp1-partial-files"),
     pytest.param(1, "failed", "gloo", id="tp1-failed-gloo"),
 ]
+
+
+def overwritten(model: torch.nn.Module, buckets: list) -> torch.nn.Module:
+    """A copy of ``model`` with the tensors of ``buckets`` written over its own."""
+    written = copy.deepcopy(model)
+    own = dict(written.named_parameters(remove_duplicate=False))  # a tied head too
+    with torch.no_grad():
+        for name, t in (pair for bucket in buckets for pair in bucket):
+            own[name].copy_(t)
+    return written
 
 
 @pytest.mark.parametrize(("tp", "left", "inner"), LEFT)
@@ -442,14 +467,16 @@ def test_a_load_its_trainer_left_unfinished_is_finished_or_fenced_by_the_lease(
     """The server's side of a trainer killed once its load call was sent, without a kill:
     this trainer pauses, opens the update, makes the load call and is never heard from
     again (no finish, no outcome read, no label, no resume). When the pause's lease expires
-    the server settles the update alone: a load that covered every weight of the engine
-    without an error on every worker (TP=2: both) is finished by vLLM's own finish, so a
-    separate client gets exactly the new weights, labelled with the version the workers
-    attest (what the trainer's commit would have labelled), and the next trainer finds the
-    update closed; a load that did not cover every weight, or failed, is abandoned and the
-    server refuses every client (503, labelled `UNKNOWN_BASE`) rather than serve the mix,
-    until the next full sync, which is exact. Its gloo group replaces the module's gloo
-    engines' in the server (the tests after it make their own)."""
+    the server settles the update alone: a load that is whole without an error on every
+    worker (TP=2: both) -- every weight of the engine, or the trainer's call marked as the
+    update's last (``final``), with no layer loaded in part -- is finished by vLLM's own
+    finish, so a separate client gets exactly what the trainer wrote (the new weights; for
+    ``layers``, the layers sent over the old rest), labelled with the version the workers attest (what the trainer's
+    commit would have labelled), and the next trainer finds the update closed; a load that is
+    not whole, or failed, is abandoned and the server refuses every client (503, labelled
+    `UNKNOWN_BASE`) rather than serve the mix, until the next full sync, which is exact. Its
+    gloo group replaces the module's gloo engines' in the server (the tests after it make
+    their own)."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
     url = servers[tp].url
@@ -462,10 +489,21 @@ def test_a_load_its_trainer_left_unfinished_is_finished_or_fenced_by_the_lease(
         FullSync().sync(old, engine)
         before = label_of(url)
         buckets = one_per_bucket(new, engine)
-        if left == "partial":
+        written = new
+        if left in ("layers", "unfinished"):
+            buckets = [
+                b
+                for b in buckets
+                if b[0][0].startswith(("model.embed_tokens.", "lm_head.", "model.layers.0."))
+            ]
+            written = overwritten(old, buckets)
+        elif left == "partial":
             buckets = buckets[:3]
         elif left == "failed":
             buckets = bad_stream(new, engine, "engine")
+        if left == "unfinished":  # the same call, not marked as the update's last
+            update = transport._update
+            transport._update = lambda info: update(dataclasses.replace(info, final=False))
         transport._commit = lambda rpc, load: load()  # the load call, then nothing
         staged = transport.prepare(engine.rpc, buckets)
         try:
@@ -474,8 +512,8 @@ def test_a_load_its_trainer_left_unfinished_is_finished_or_fenced_by_the_lease(
         finally:
             staged.drop()
         tokens, waited = answered(url, T.PROMPTS[:2], LEASE_S + 30.0)
-        if left == "whole":
-            assert tokens == [T.trainer_greedy(new, p, 8) for p in T.PROMPTS[:2]], tokens
+        if left in ("whole", "layers"):
+            assert tokens == [T.trainer_greedy(written, p, 8) for p in T.PROMPTS[:2]], tokens
             assert label_of(url) == attested_label(url) != before
         else:
             assert tokens == "fenced", tokens
@@ -491,6 +529,44 @@ def test_a_load_its_trainer_left_unfinished_is_finished_or_fenced_by_the_lease(
         assert "left open" not in caplog.text
     finally:
         honest.close()
+
+
+def test_an_update_that_loads_part_of_a_layer_is_refused_not_finished(servers):
+    """A trainer that finishes an update which loaded some weights of a layer but not all (the
+    q projection and its bias without k and v: one fused q/k/v layer in vLLM): vLLM's finish
+    would process that layer with k and v freshly allocated and never written, and the server
+    would serve the garbage without an error (it did, before the backend checked). Refused at
+    the finish instead: the layer keeps its old weights, the embeddings the update had finished
+    keep their new ones -- a mix, so the server refuses every client until a full sync, which
+    is exact."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    url = servers[1].url
+    old, new, newer = (full_model(ARCH, seed=140 + i) for i in range(3))
+    transport = WeightTransferFiles(HTTPVLLMWeightSyncClient(url))
+    engine = VLLMServerEngine(url, transport=transport)
+    try:
+        FullSync().sync(old, engine)
+        buckets = one_per_bucket(new, engine)[:3]
+        assert [n for b in buckets for n, _ in b][1:] == [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.q_proj.bias",
+        ]
+        staged = transport.prepare(engine.rpc, buckets)
+        with pytest.raises(Exception, match=r"some weights of .*qkv_proj but not all"):
+            try:
+                engine.control.pause()
+                staged.apply()
+            finally:
+                staged.drop()
+                with contextlib.suppress(Exception):
+                    engine.control.resume()
+        tokens, _ = answered(url, T.PROMPTS[:2], 30.0)
+        assert tokens == "fenced", tokens
+        FullSync().sync(newer, engine)  # lifts the fence
+        T.assert_matches(newer, engine, atol=ATOL)
+    finally:
+        engine.close()
 
 
 def test_a_trainer_slow_after_its_load_counts_the_update_the_lease_finished(servers, monkeypatch):

@@ -308,6 +308,12 @@ class UpdateInfo:
         max_bytes: with ``stage``, the most a worker may stage (None: no bound).
         staged: wait for the staged stream's END and check every name and shape in it.
         commit: load what was staged (and checked).
+        final: this call carries the rest of the update: once its load ends without an error,
+            the update is whole as the trainer declared it, though it may load only some of
+            the engine's weights (a sync that skipped what the engine provably holds). A pause
+            lease may then finish it for a trainer that died before its finish
+            (``WeightsyncWorker.weightsync_settle``). Without it, only a load of every weight
+            the engine loads counts as whole: a trainer may send an update in several calls.
     """
 
     folder: str = ""
@@ -321,3 +327,4 @@ class UpdateInfo:
     max_bytes: int | None = None
     staged: bool = False
     commit: bool = False
+    final: bool = False

@@ -70,6 +70,7 @@ from .model_ops import (
     clear_kv_cache,
     finished_in,
     has_cpu_moe,
+    part_loaded,
     repack_cpu_moe,
 )
 
@@ -189,6 +190,7 @@ def _make_engine_class() -> type:
             self._buckets = 0  # buckets received in this update (gloo)
             self._reloading = False  # the layerwise reload began (the model is being written)
             self._loaded: set[str] = set()  # names loaded in this update
+            self._declared_whole = False  # a `final` call loaded without an error
             self._finished = False  # finish_weight_update ran
 
         # -- vLLM's calls ------------------------------------------------------------------
@@ -227,6 +229,7 @@ def _make_engine_class() -> type:
                 self._fail(RuntimeError("no gloo group: init_weight_transfer_engine with a host"))
             if info.commit:
                 self._commit_stage()
+                self._declared_whole = info.final and not self._error
                 return
             copies = None
             if info.delta and not self._error:
@@ -252,6 +255,7 @@ def _make_engine_class() -> type:
             if receiver is not None:
                 receiver.drain()  # the trainer's broadcasts complete even after a failure
                 self._buckets += receiver.buckets
+            self._declared_whole = info.final and self._reloading and not self._error
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
             self.update_weights(dataclasses.asdict(update_info))
@@ -259,6 +263,19 @@ def _make_engine_class() -> type:
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            part = part_loaded(self.model) if self._reloading and not self._error else []
+            if part:  # refused: vLLM would finish them with the rest of them uninitialised
+                shown = ", ".join(part[:4]) + (
+                    f" and {len(part) - 4} more" if len(part) > 4 else ""
+                )
+                self._fail(
+                    RuntimeError(
+                        f"the update loaded some weights of {shown} but not all of them: vLLM "
+                        "would finish those layers with the rest of their tensors uninitialised. "
+                        "They keep their previous weights; an update must send every weight of "
+                        "each layer it writes"
+                    )
+                )
             if self._reloading and not self._error:
                 try:
                     finalize_layerwise_reload(self.model, self.model_config)
@@ -295,17 +312,23 @@ def _make_engine_class() -> type:
             return Outcome(error=self._error, rank=self.rank, value={RELOAD_REPORT: report})
 
         def loaded_whole(self) -> bool:
-            """Whether this update's load ended without an error and covered every weight the
-            engine loads (``expected``: unknown, or a name missing, is not whole) and nothing
-            has finished or given the update up yet: what only the finish is missing to be a
-            full restore (``WeightsyncWorker.weightsync_settle`` finishes it for a trainer that
-            died after its load)."""
+            """Whether this update's load ended without an error and is whole -- the trainer's
+            call marked `final` loaded, or, unmarked, every weight the engine loads loaded
+            (``expected``: unknown, or a name missing, is not whole) -- and nothing has
+            finished or given the update up yet: what only the finish is missing to be the
+            write its trainer made (``WeightsyncWorker.weightsync_settle`` finishes it for a
+            trainer that died after its load). A `final` update may load some weights only:
+            a sync that skipped what the engine provably holds declares it whole that way. A
+            layer loaded in part (`part_loaded`) is never whole: its finish refuses it."""
             return (
                 self._reloading
                 and not self._error
                 and not self._finished
-                and bool(self.expected)
-                and self._loaded.issuperset(self.expected)
+                and (
+                    self._declared_whole
+                    or (bool(self.expected) and self._loaded.issuperset(self.expected))
+                )
+                and not part_loaded(self.model)
             )
 
         def give_up(self) -> None:

@@ -247,6 +247,21 @@ def every_worker(yes: bool) -> bool:
     return bool(vote.item())
 
 
+def part_loaded(model: torch.nn.Module) -> list[str]:
+    """The layers (module names) a pending layerwise reload of ``model`` loaded some weights of
+    but not all: vLLM's finish would process them with the rest of their tensors freshly
+    allocated and never written (garbage, served without an error; an update that sends q_proj
+    but not k_proj and v_proj of a fused qkv_proj is one). Empty when none, or no reload is
+    pending."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return [
+        name
+        for name, layer in model.named_modules()
+        if (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load() and info.load_numel
+    ]
+
+
 def abandon(obj: Any) -> dict[str, Any]:
     """`abandon_layerwise_reload` on this worker's model: a `RELOAD_REPORT` whether a reload
     was pending and which layers it had finished (`finished_layers`: they keep their new

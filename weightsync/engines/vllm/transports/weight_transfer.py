@@ -238,7 +238,7 @@ class WeightTransferFiles(WeightTransferTransport):
         folder = self.root / f"update-{self._updates:06d}"
         written = write_folder(buckets, folder, around=_serializing, signer=signer)
         proof = proof_args(signer, written.tags)
-        info = UpdateInfo(folder=str(folder), files=written.names, **proof)
+        info = UpdateInfo(folder=str(folder), files=written.names, final=True, **proof)
 
         def apply() -> None:
             self._start(rpc)
@@ -346,7 +346,7 @@ class WeightTransferGloo(WeightTransferTransport):
         if not self.stages:
 
             def stream() -> None:
-                info = UpdateInfo(gloo=True, delta=delta, **proof)
+                info = UpdateInfo(gloo=True, delta=delta, final=True, **proof)
                 received = self._pool.submit(self._update, info)
                 gloo.send(self.link.group, buckets, received, send_one, signer)
 
@@ -375,7 +375,8 @@ class WeightTransferGloo(WeightTransferTransport):
 
         def apply() -> None:
             try:
-                self._commit(rpc, lambda: self._update(UpdateInfo(gloo=True, commit=True)))
+                commit = UpdateInfo(gloo=True, commit=True, final=True)
+                self._commit(rpc, lambda: self._update(commit))
             except BaseException:
                 settle(False)
                 raise
