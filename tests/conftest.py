@@ -483,6 +483,15 @@ def differs(model, engine) -> bool:
     return stale["engine"] != stale["trainer"]
 
 
+def served(engine, prompts: list[list[int]] = T.PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """What ``engine`` serves on ``prompts`` (greedy tokens with their logprobs), to compare
+    bitwise: one prompt per request. A batch is not repeatable bitwise on an engine core in
+    another process (multiprocess, server, Ray): its requests reach vLLM's scheduler in one step
+    or in several, and the bfloat16 matmuls round differently by batch shape (tokens equal,
+    logprobs 1e-4 apart in 2-7% of batches with the weights unchanged). One request alone is."""
+    return [engine.greedy_batch([prompt], 8)[0] for prompt in prompts]
+
+
 def sync_and_check(sync, model, engine):
     """Check ``engine`` differs from the trainer, sync ``model`` with ``sync`` (a strategy, or a
     ``Syncer`` driving ``engine``), then check the engine serves exactly ``model``; returns the
@@ -591,12 +600,12 @@ def forged_delta_is_refused(sync, model, engine, transport, monkeypatch) -> None
     ``model`` must differ from the engine; ``monkeypatch`` is undone."""
     from weightsync.errors import BytesRejectedError
 
-    serving = engine.greedy_batch(T.PROMPTS, 8)
+    serving = served(engine)
     forge_deltas(monkeypatch)
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         sync.sync(model, engine)
     monkeypatch.undo()
-    assert engine.greedy_batch(T.PROMPTS, 8) == serving  # nothing of it was loaded
+    assert served(engine) == serving  # nothing of it was loaded
     sync_and_check(sync, model, engine)
     assert transport.last_sync.delta_buckets == 0  # the refusal dropped the kept copies
 

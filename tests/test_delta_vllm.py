@@ -13,7 +13,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import bad_stream, differs, forge_deltas
+from conftest import bad_stream, differs, forge_deltas, served
 
 from benchmarks.processes import multiproc_llm
 from weightsync import FullSync
@@ -69,10 +69,6 @@ def sent(engine) -> delta_mod.WireCount:
     return count
 
 
-def outputs(engine) -> list:
-    return engine.greedy_batch(T.PROMPTS, 8)  # tokens and logprobs
-
-
 def worker_copies(engine) -> dict[str, str]:
     """Digest of every tensor in the worker's kept copies."""
     return engine.rpc("weightsync_delta_digests")[0].value
@@ -112,9 +108,9 @@ def test_a_small_step_sends_a_few_percent_and_loads_what_a_full_sync_loads(llm, 
     assert count.wire_bytes <= 0.10 * count.bucket_bytes, count
     # The worker's patched copy is, tensor for tensor, what a full sync packs.
     assert worker_copies(delta) == trainer_digests(model, delta)
-    after_delta = outputs(delta)
+    after_delta = served(delta)
     SYNC.sync(model, other)  # a full sync of the same weights, by the other path
-    assert outputs(other) == after_delta  # tokens and logprobs, exactly
+    assert served(other) == after_delta  # tokens and logprobs, exactly
 
 
 def test_a_worker_without_the_copy_gets_every_bucket_whole(llm, engines):
@@ -150,13 +146,13 @@ def test_a_forged_delta_is_refused_and_the_next_sync_repairs(llm, engines, monke
     delta, other = engines
     model, optimizer = trainer()
     SYNC.sync(model, delta)
-    serving = delta.greedy_batch(T.PROMPTS, 8)
+    serving = served(delta)
     step(model, optimizer, seed=6)
     forge_deltas(monkeypatch)
     with pytest.raises(BytesRejectedError, match="not the ones the trainer sent"):
         SYNC.sync(model, delta)
     monkeypatch.undo()
-    assert delta.greedy_batch(T.PROMPTS, 8) == serving and not delta.base_discarded
+    assert served(delta) == serving and not delta.base_discarded
     SYNC.sync(model, delta)
     check_engine(model, delta, strategy="delta")
     assert sent(delta).delta_buckets == 0

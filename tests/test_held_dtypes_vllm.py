@@ -18,7 +18,7 @@ import copy
 
 import pytest
 import torch
-from conftest import closed_leaving_nothing, enter_sleep
+from conftest import closed_leaving_nothing, enter_sleep, served
 from peft import LoraConfig, get_peft_model
 from test_moe_vllm import ROUTER, ernie_bf16
 
@@ -121,15 +121,16 @@ def engines(server):
         yield made
 
 
-def served(engine) -> tuple:
-    """Greedy tokens with their logprobs, and the canary's top-8 logprobs: compared bitwise."""
-    return engine.greedy_batch(T.PROMPTS, 8), engine.score_batch(canary_prompts(1024), 8)
+def served_and_scored(engine) -> tuple:
+    """Greedy tokens with their logprobs, and the canary's top-8 logprobs: compared bitwise, so
+    one prompt per request (`conftest.served`)."""
+    return served(engine), [engine.score_batch([p], 8)[0] for p in canary_prompts(1024)]
 
 
 @pytest.fixture(scope="module")
 def oracle(engines):
     """What the server serves fresh from the checkpoint, before any write."""
-    return served(engines["tmpfs"])
+    return served_and_scored(engines["tmpfs"])
 
 
 def lost(engine, other) -> None:
@@ -169,9 +170,9 @@ def test_full_sync_after_a_level2_discard_serves_what_the_fresh_server_served(
     base, _, trained, _ = weights
     engine = engines[transport]
     lost(engine, base)
-    assert served(engine) != oracle
+    assert served_and_scored(engine) != oracle
     FullSync().sync(trained, engine, verify=False)
-    assert served(engine) == oracle
+    assert served_and_scored(engine) == oracle
     if transport == "gloo":
         count = engine.transport.last_sync
         assert count.delta_buckets == 0 and count.full_buckets > 0, count
@@ -186,7 +187,7 @@ def test_gloo_deltas_onto_a_float32_router(engines, weights, oracle):
     sync = FullSync(bucket_bytes=256 << 10)  # several buckets: deltas are kept per bucket
     lost(engine, base)
     sync.sync(trained, engine, verify=False)  # a layout the workers did not keep: whole buckets
-    assert served(engine) == oracle
+    assert served_and_scored(engine) == oracle
     near = copy.deepcopy(trained)
     with torch.no_grad():
         router = near.get_parameter(ROUTER_WEIGHT)
@@ -196,7 +197,7 @@ def test_gloo_deltas_onto_a_float32_router(engines, weights, oracle):
         count = engine.transport.last_sync
         assert count.full_buckets == 0 and count.delta_buckets > 1, count
         assert count.wire_bytes < count.bucket_bytes / 10, count
-        assert (served(engine) == oracle) == (model is trained)
+        assert (served_and_scored(engine) == oracle) == (model is trained)
 
 
 def test_merged_lora_on_the_float32_router(engines, weights, oracle):
@@ -210,9 +211,9 @@ def test_merged_lora_on_the_float32_router(engines, weights, oracle):
     router = next(t for t in plan.weights if t.name == ROUTER_WEIGHT)
     assert router.merged and router.sent == torch.float32
     lost(engine, base)
-    assert served(engine) != oracle
+    assert served_and_scored(engine) != oracle
     FullSync(lora="merge").sync(lora, engine, verify=False)
-    assert served(engine) == oracle
+    assert served_and_scored(engine) == oracle
     assert all(torch.equal(before[n], p) for n, p in lora.named_parameters()), "trainer modified"
 
 

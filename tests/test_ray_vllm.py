@@ -29,6 +29,7 @@ from conftest import (
     full_model,
     lora_model,
     one_per_bucket,
+    served,
     sparse_step,
     sync_and_check,
 )
@@ -731,7 +732,7 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
     syncer = Syncer(engine, train_type="full")
     sync_and_check(syncer, full_model(ARCH, seed=91), engine)
     before, written, version = (
-        engine.greedy_batch(T.PROMPTS, 8),
+        served(engine),
         engine.written_version,
         engine.weights_version,
     )
@@ -745,7 +746,7 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
                 syncer.sync(new)
         finally:
             del engine.transport.prepare
-        assert engine.greedy_batch(T.PROMPTS, 8) == before, fault
+        assert served(engine) == before, fault
         assert engine.written_version == written and engine.weights_version == version, fault
         assert syncer.base_sync_done and not engine.base_discarded, fault
 
@@ -761,7 +762,7 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
     finally:
         engine.transport.max_stage_bytes = None
 
-    served = []  # the framework's generation in the middle of the honest sync's stage
+    answered = []  # the framework's generation in the middle of the honest sync's stage
 
     def generating_midway(buckets):
         for i, bucket in enumerate(_faulty("")(buckets)):
@@ -772,7 +773,7 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
                     time.sleep(0.05)
                 assert not channel.qsize(), "the actor's stage did not take the frames"
                 # Answered while the stage runs, or never: the commit waits for this loop.
-                served.append(ray.get(actor.generate.remote(T.PROMPTS[0], 8), timeout=120))
+                answered.append(ray.get(actor.generate.remote(T.PROMPTS[0], 8), timeout=120))
             yield bucket
 
     engine.transport.prepare = lambda rpc, buckets: prepare(rpc, generating_midway(buckets))
@@ -782,7 +783,7 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
         del engine.transport.prepare
     assert report.weights_version == engine.weights_version != version
     if actor is not None:
-        ((tokens, spans),) = served
+        ((tokens, spans),) = answered
         assert tokens == before[0][0] and spans[-1][0] == base_label(written)
 
 
@@ -818,7 +819,7 @@ def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine
     engine, async_actor = staging_engine
     handle = engine.actor
     sync_and_check(FullSync(), full_model(ARCH, seed=94), engine)
-    serving = engine.greedy_batch(T.PROMPTS, 8)
+    serving = served(engine)
     new, newer = full_model(ARCH, seed=95), full_model(ARCH, seed=96)
     other = RayVLLMEngine(handle, timeout_s=300)
     try:
@@ -835,7 +836,7 @@ def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine
                 staged.apply()
         finally:
             staged.drop()
-        assert engine.greedy_batch(T.PROMPTS, 8) == serving and not engine.base_discarded
+        assert served(engine) == serving and not engine.base_discarded
         if async_actor is not None:
             assert not ray.get(async_actor.paused.remote(), timeout=60)
 
@@ -1081,7 +1082,7 @@ def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_untouched(engines, 
     dropped, so it serves exactly what it served, its base kept (`Replicas` commits all or
     none), and the next sync is exact. Last: it loses an actor."""
     survivor, victim = engines
-    serving = survivor.greedy_batch(T.PROMPTS, 8)
+    serving = served(survivor)
     buckets = one_per_bucket(full_model(ARCH, seed=51), survivor)
 
     def stream():
@@ -1098,7 +1099,7 @@ def test_an_actor_killed_mid_sync_raises_and_the_survivor_is_untouched(engines, 
     with pytest.raises(EngineUnavailableError, match="does not answer"):
         victim.attest()
     # Nothing of the sync reached the survivor: it was staged there, never committed.
-    assert survivor.greedy_batch(T.PROMPTS, 8) == serving and not survivor.base_discarded
+    assert served(survivor) == serving and not survivor.base_discarded
     model = full_model(ARCH, seed=52)
     sync_and_check(Syncer(survivor, train_type="full"), model, survivor)
     discard(survivor)  # and it keeps working as any engine

@@ -44,6 +44,7 @@ from conftest import (
     lora_model,
     moe_model,
     one_per_bucket,
+    served,
     sparse_step,
     sync_and_check,
 )
@@ -217,7 +218,7 @@ def test_a_sync_failing_before_its_load_leaves_the_old_weights(
         pytest.skip("the tag check is per worker: TP=1 proves it (CI time)")
     engine = engines(tp, inner)
     FullSync().sync(full_model(ARCH, seed=40), engine)
-    serving = engine.greedy_batch(T.PROMPTS, 8)
+    serving = served(engine)
     new = full_model(ARCH, seed=seed_of(tp, inner, 41))
     error, said = FAILURES[kind]
     with pytest.raises(error, match=said):
@@ -226,7 +227,7 @@ def test_a_sync_failing_before_its_load_leaves_the_old_weights(
         else:
             engine.load_weights(bad_stream(new, engine, kind))
     assert servers[tp].alive(), servers[tp].tail()
-    assert engine.greedy_batch(T.PROMPTS, 8) == serving  # old weights, whole; not fenced
+    assert served(engine) == serving  # old weights, whole; not fenced
     sync_and_check(FullSync(), new, engine)
 
 
@@ -309,7 +310,7 @@ def test_an_abandon_lets_the_stage_go(engines):
     engine = engines(1, "gloo")
     old, new = full_model(ARCH, seed=72), full_model(ARCH, seed=73)
     FullSync().sync(old, engine)
-    serving = engine.greedy_batch(T.PROMPTS, 8)
+    serving = served(engine)
     staged = engine.stage_weights(one_per_bucket(new, engine))
     try:
         engine.rpc("weightsync_abandon", {})  # what the lease runs when it expires
@@ -317,7 +318,7 @@ def test_an_abandon_lets_the_stage_go(engines):
             staged.apply()
     finally:
         staged.drop()
-    assert engine.greedy_batch(T.PROMPTS, 8) == serving
+    assert served(engine) == serving
     sync_and_check(FullSync(), new, engine)
 
 
