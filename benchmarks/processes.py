@@ -53,7 +53,8 @@ def lowest_priority_tp_workers(procs: Iterable[Any]) -> None:
     starve the API server, the engine core and the trainer, so every call to a TP=2 server
     waited for a core: a sync of the tiny test model took 1.3-2.1 s at TP=2 against 0.06 s at
     TP=1. At nice 19 they still get every cycle nobody else wants, and the same sync took
-    0.09-0.24 s (``VLLM::Worker_TP*`` processes; TP=1 has none: its worker is the engine core)."""
+    0.09-0.24 s (``VLLM::Worker_TP*`` processes; a TP=1 server has none: its worker is its
+    engine core, `VLLMServer`)."""
     import psutil
 
     for p in procs:
@@ -169,7 +170,11 @@ class VLLMServer:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.shutdown_timeout_s),
         }
-        environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its core apart
+        # A server runs its engine core apart whatever this says; it decides only where a TP=1
+        # worker runs. "0": inside the engine core (vLLM's UniProcExecutor, as vLLM runs TP=1
+        # on a GPU). Otherwise vLLM-CPU forces its mp executor, a third process that imports
+        # vLLM again: about 10 s more at every start and 2 s at every stop (docs/benchmarks.md).
+        environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if tp == 1 else "1"
         if tp > 1:
             environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
             environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
