@@ -59,6 +59,10 @@ from weightsync.wire.protocol import Outcome
 
 #: The HTTP calls of the sync being killed, as they start and end (`traced`); None: not traced.
 CALLS: list[tuple[str, str]] | None = None
+#: Held by `die` from its report to the kill, so that no call starts (or is noted answered)
+#: after the report: its print releases the GIL, and the sync once sent ``/pause`` in that gap,
+#: reported as killed while staging (seen in a CI run).
+NOTING = threading.Lock()
 
 
 def where() -> str:
@@ -81,17 +85,20 @@ def traced(session_request):
 
     def request(self, method, url, *args, **kwargs):
         path = "/" + url.split("/", 3)[3].partition("?")[0] if url.count("/") >= 3 else url
-        if CALLS is not None:
-            CALLS.append(("start", path))
+        with NOTING:
+            if CALLS is not None:
+                CALLS.append(("start", path))
         answer = session_request(self, method, url, *args, **kwargs)
-        if CALLS is not None:
-            CALLS.append(("end", path))
+        with NOTING:
+            if CALLS is not None:
+                CALLS.append(("end", path))
         return answer
 
     return request
 
 
 def die() -> None:
+    NOTING.acquire()  # never released: the process ends here
     if CALLS is not None:
         print(f"AT {where()}", flush=True)
     sys.stdout.flush()
