@@ -570,6 +570,43 @@ def test_an_update_that_loads_part_of_a_layer_is_refused_not_finished(servers):
         engine.close()
 
 
+def test_a_tied_tensor_sent_under_one_name_updates_every_layer_that_holds_it(servers):
+    """A push of ``named_parameters()`` (TRL's, ms-swift's) sends the tied embedding once,
+    under the embedding's name. vLLM's finish gives the head, which it did not load, its
+    previous tensors back -- the shared weight, which holds the new values -- but vLLM-CPU's
+    packed copy of the head (float32: a copy on AVX-512 and AVX2 alike, docs/benchmarks.md)
+    stayed the old weight's, served without an error, before the backend re-ran the head's
+    processing (``model_ops.unwritten_twins``). The server now serves exactly what was sent."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    url = servers[1].url
+    old, new = (full_model(ARCH, seed=150 + i) for i in range(2))
+    transport = WeightTransferFiles(HTTPVLLMWeightSyncClient(url))
+    engine = VLLMServerEngine(url, transport=transport)
+    try:
+        FullSync().sync(old, engine)
+        buckets = [
+            kept
+            for bucket in one_per_bucket(new, engine)
+            if (kept := [(n, t) for n, t in bucket if n != "lm_head.weight"])
+        ]
+        assert (
+            sum(len(b) for b in buckets)
+            == len(dict(new.named_parameters()))
+            < len(dict(new.named_parameters(remove_duplicate=False)))
+        )  # every parameter once: the tied one under the embedding's name
+        staged = transport.prepare(engine.rpc, buckets)
+        try:
+            engine.control.pause()
+            staged.apply()
+        finally:
+            staged.drop()
+            engine.control.resume()
+        T.assert_matches(new, engine, atol=ATOL)
+    finally:
+        engine.close()
+
+
 def test_a_trainer_slow_after_its_load_counts_the_update_the_lease_finished(servers, monkeypatch):
     """A trainer alive but silent between its load and its finish for longer than the lease,
     driven through vLLM's own HTTP client: the lease finishes the update (the load covered

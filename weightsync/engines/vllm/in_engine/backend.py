@@ -71,7 +71,11 @@ from .model_ops import (
     finished_in,
     has_cpu_moe,
     part_loaded,
+    refresh,
+    refreshable,
     repack_cpu_moe,
+    tied_modules,
+    unwritten_twins,
 )
 
 logger = logging.getLogger(f"vllm.{__name__}")  # in vLLM's workers: see server_lease.py
@@ -180,6 +184,9 @@ def _make_engine_class() -> type:
             #: its KV cache (`model_ops.clear_kv_cache`, as every other weightsync load does).
             self.worker: Any = None
             self._written: list[str] = []  # layers failed loads finished, not yet reported
+            #: Modules that hold one parameter between them (`model_ops.tied_modules`), read
+            #: at the first load, before any reload is pending.
+            self._twins: list[list[tuple[str, torch.nn.Module]]] | None = None
             self._stage: gloo.Staging | None = None
             self._new_round()
 
@@ -276,10 +283,26 @@ def _make_engine_class() -> type:
                         "each layer it writes"
                     )
                 )
+            twins = (
+                unwritten_twins(self._twins or []) if self._reloading and not self._error else []
+            )
+            fixed = [name for name, m in twins if not refreshable(m)]
+            if fixed:  # refused, as a layer loaded in part
+                self._fail(
+                    RuntimeError(
+                        f"the update loaded a parameter {', '.join(fixed)} shares with another "
+                        "layer under the other layer's name only, and weightsync cannot "
+                        "re-derive what their processing made of it: send the tensor under "
+                        "each of its names"
+                    )
+                )
             if self._reloading and not self._error:
                 try:
                     finalize_layerwise_reload(self.model, self.model_config)
                     self._reloading = False
+                    # A tied head the update did not load computes from the new weight, as
+                    # if it had been sent under the head's name too (model_ops.unwritten_twins).
+                    refresh(twins)
                     # vLLM-CPU's reload skips the experts' prepack (model_ops.repack_cpu_moe).
                     if has_cpu_moe(self.model):
                         repack_cpu_moe(self.model)
@@ -399,6 +422,8 @@ def _make_engine_class() -> type:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             if not self._reloading:
+                if self._twins is None:
+                    self._twins = tied_modules(self.model)
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
             with torch.no_grad(), disable_mtp_completeness_check():

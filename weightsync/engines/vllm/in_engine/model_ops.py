@@ -9,6 +9,7 @@ backend) and in the trainer's process for an in-process ``LLM``
 - `abandon_layerwise_reload`: the recovery itself;
 - `claim_staged`: a staged sync claimed for its commit on every worker of the engine, or on none;
 - `repack_cpu_moe`: the CPU expert prepack vLLM-CPU's reload skips;
+- `unwritten_twins` / `refresh`: a tied head an update wrote under the embedding's name only;
 - `onednn_scales_kept`: keeps alive what vLLM-CPU's INT8 (oneDNN) kernel points at across a reload;
 - `read_facts`: what the engine loads and serves (`EngineFacts`), from the model it built;
 - `held_dtypes`: the weights it holds in another dtype than it computes in (float32 routers);
@@ -260,6 +261,58 @@ def part_loaded(model: torch.nn.Module) -> list[str]:
         for name, layer in model.named_modules()
         if (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load() and info.load_numel
     ]
+
+
+def tied_modules(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
+    """Groups of different modules (name, module) that hold one parameter between them (a
+    tied ``lm_head`` and the embedding). Read while no reload is pending: a pending layerwise
+    reload gives each module tensors of its own on the meta device."""
+    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():  # each module once, under its first name
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append((name, module))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def unwritten_twins(
+    groups: Iterable[list[tuple[str, torch.nn.Module]]],
+) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of tied ``groups`` (`tied_modules`) a pending layerwise reload has not
+    loaded although another module of their group was loaded: an update that sent the shared
+    tensor under one of its names (as a push of ``named_parameters()`` does). vLLM's finish
+    gives them their previous tensors back -- the shared parameter, which now holds the new
+    values -- but what their post-load processing derived from it is the old value's:
+    vLLM-CPU's packed copy of a tied head stays stale, served without an error."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    def loaded(module: torch.nn.Module) -> bool:
+        info = LAYERWISE_INFO.get(module)
+        # processed once whole (its info reset), or loaded in part
+        return info is not None and (not info.can_load() or info.load_numel > 0)
+
+    stale: list[tuple[str, torch.nn.Module]] = []
+    for group in groups:
+        marks = [loaded(m) for _, m in group]
+        if any(marks):
+            stale += [twin for twin, mark in zip(group, marks, strict=True) if not mark]
+    return stale
+
+
+def refreshable(module: torch.nn.Module) -> bool:
+    """Whether re-running ``module``'s post-load processing on its current parameters is what
+    a load of them would have done: proven for vLLM's unquantized embedding and head (their
+    processing only derives kernel copies from the weight), which is what a tied head is;
+    another method may transform the tensors it is given, so running it twice is not."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return type(getattr(module, "quant_method", None)) is UnquantizedEmbeddingMethod
+
+
+def refresh(twins: Iterable[tuple[str, torch.nn.Module]]) -> None:
+    """Re-run the post-load processing of ``twins`` (`unwritten_twins`, each `refreshable`)
+    after vLLM's finish, so what they derive from the shared parameter is its new value's."""
+    for _, module in twins:
+        module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr,operator]
 
 
 def abandon(obj: Any) -> dict[str, Any]:
