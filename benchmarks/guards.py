@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         spec.checkpoint,
         log,
         dtype=str(spec.dtype).removeprefix("torch."),
-        args=["--kv-cache-memory-bytes", str(64 << 20), "--middleware", TOKEN_MIDDLEWARE],
+        args=["--middleware", TOKEN_MIDDLEWARE],
         env={"WEIGHTSYNC_TOKEN": token, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
         start_timeout_s=600,
     )

@@ -131,6 +131,9 @@ class VLLMServer:
             trainer then commits one call a step, and nothing resumes a pause it leaves).
         dtype: ``--dtype``.
         max_model_len: ``--max-model-len`` (the tiny models allow up to 512).
+        kv_cache_bytes: ``--kv-cache-memory-bytes``, as `weightsync.testing.engine_options`
+            sizes the in-process engines (every completed reload clears the cache: a larger
+            one is a longer pause, and memory the machine's other servers do not get).
         args: further command-line arguments (``--enable-lora``, ``--weight-transfer-config``).
         env: further environment variables (they win over the defaults here).
         start_timeout_s: how long `wait` waits for ``/health``.
@@ -148,6 +151,7 @@ class VLLMServer:
         lease: bool = True,
         dtype: str = "float32",
         max_model_len: int = 256,
+        kv_cache_bytes: int = 64 << 20,
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 420.0,
@@ -167,7 +171,6 @@ class VLLMServer:
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.shutdown_timeout_s),
         }
         # A server runs its engine core apart whatever this says; it decides only where a TP=1
@@ -179,11 +182,14 @@ class VLLMServer:
             environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
             environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         environ.update(env or {})
+        # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (GiB) would override --kv-cache-memory-bytes.
+        environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # vllm-cpu's script is broken
             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
             "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--shutdown-timeout", str(self.shutdown_timeout_s),
             *(["--worker-extension-cls", WORKER_EXTENSION] if extension else []),
             *(["--middleware", LEASE_MIDDLEWARE] if extension and lease else []),

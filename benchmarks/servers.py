@@ -51,7 +51,6 @@ class ServerPool:
         logdir.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_urlsafe(24)
         args = [
-            "--kv-cache-memory-bytes", str(64 << 20),  # as the in-process engines
             "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
             "--middleware", TOKEN_MIDDLEWARE,
         ]  # fmt: skip
