@@ -194,3 +194,19 @@ def test_syncer_tracks_base_sync_done(arch, engines):
         "FullSync(lora=separate)",
         "AdapterSync",
     ]
+
+
+def test_a_reload_on_the_cpu_keeps_freed_memory_for_the_next(arch, engines):
+    """vLLM's reload frees a model's worth of memory and allocates it anew at every sync; on the
+    CPU weightsync keeps freed memory in the engine's process (``in_engine/heap.py``), so a
+    block freed is reused by the next allocation of its size instead of faulting in fresh pages
+    inside the commit's pause (figures: docs/benchmarks.md)."""
+    import resource
+
+    FullSync().sync(full_model(arch, seed=5), engines[False])  # a reload in this process
+    size = 64 << 20  # above glibc's largest size for blocks mapped on their own (32 MiB)
+    torch.ones(size, dtype=torch.uint8)  # allocated, touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(size, dtype=torch.uint8)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < size // 4096 // 10, f"{faults} page faults: the freed block went back"

@@ -63,6 +63,7 @@ from ....wire import gloo
 from ....wire.delta import LoadedCopies
 from ....wire.files import MappedFiles
 from ....wire.protocol import RELOAD_REPORT, InitInfo, Outcome, UpdateInfo
+from .heap import keep_freed_memory
 from .model_ops import (
     abandon_layerwise_reload,
     check_loadable,
@@ -424,6 +425,7 @@ def _make_engine_class() -> type:
             if not self._reloading:
                 if self._twins is None:
                     self._twins = tied_modules(self.model)
+                keep_freed_memory(self.worker)  # the next update reuses this one's memory
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
             with torch.no_grad(), disable_mtp_completeness_check():

@@ -38,6 +38,7 @@ from ....wire import gloo
 from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
 from . import checkpoint as ckpt
+from .heap import keep_freed_memory
 from .ledger import kv_cache_awake, worker_of
 
 
@@ -77,6 +78,7 @@ def reload(
     worker = worker_of(obj)
     rank = int(getattr(worker, "rank", 0) or 0)
     seen: set[str] = set()
+    keep_freed_memory(worker)  # the next reload reuses this one's memory (``heap.py``)
     try:
         model = worker.model_runner.get_model()
         with onednn_scales_kept(model):
