@@ -108,12 +108,6 @@ def shm_mapped(pids: Iterable[int]) -> set[str]:
     return found
 
 
-def rpc_folder() -> str:
-    """A new folder for vLLM's ZMQ ``ipc://`` socket files (``VLLM_RPC_BASE_PATH``), inside
-    the one this process's environment names, if any, else in the temp folder."""
-    return tempfile.mkdtemp(prefix="weightsync-vllm-rpc-", dir=os.environ.get("VLLM_RPC_BASE_PATH"))
-
-
 class VLLMServer:
     """A ``vllm serve`` process of our own on 127.0.0.1 and a free port, stopped by its PID.
 
@@ -169,10 +163,15 @@ class VLLMServer:
 
         self.tp = tp
         self.port = free_port()
-        #: A folder of its own for vLLM's ZMQ ``ipc://`` socket files, which vLLM leaves in the
-        #: temp folder when it stops (a test run's own, tests/conftest.py, if it has one):
-        #: removed by `join`.
-        self.rpc_dir = rpc_folder()
+        #: A folder of its own for vLLM's ZMQ ``ipc://`` socket files, which vLLM leaves behind
+        #: when it stops; removed by `join`. None where this process's environment names one
+        #: (``VLLM_RPC_BASE_PATH``: a test run's, removed by tests/conftest.py): a socket's path
+        #: must fit in 107 bytes, so folders are not nested.
+        self.rpc_dir = (
+            None
+            if os.environ.get("VLLM_RPC_BASE_PATH")
+            else tempfile.mkdtemp(prefix="weightsync-rpc-")
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         self.start_timeout_s = start_timeout_s
@@ -184,7 +183,7 @@ class VLLMServer:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.shutdown_timeout_s),
-            "VLLM_RPC_BASE_PATH": self.rpc_dir,
+            **({"VLLM_RPC_BASE_PATH": self.rpc_dir} if self.rpc_dir else {}),
         }
         # A server runs its engine core apart whatever this says; it decides only where a TP=1
         # worker runs. "0": inside the engine core (vLLM's UniProcExecutor, as vLLM runs TP=1
@@ -275,7 +274,8 @@ class VLLMServer:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         psutil.wait_procs(alive, timeout=10)
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        if self.rpc_dir:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
         return left_behind(self.shm)
 
     def stop(self) -> list[str]:
@@ -323,11 +323,9 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
     from vllm import LLM
 
     grace = round(stretched(VLLMServer.SHUTDOWN_TIMEOUT_S))  # the workers' bound, see VLLMServer
-    rpc_dir = rpc_folder()  # removed at the end, see VLLMServer
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(grace),
-        "VLLM_RPC_BASE_PATH": rpc_dir,
     }
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
@@ -370,7 +368,6 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
             else:
                 os.environ[k] = v
         vllm.envs.disable_envs_cache()
-        shutil.rmtree(rpc_dir, ignore_errors=True)
         left = left_behind(held)
     if left:
         raise RuntimeError(f"the LLM's processes left /dev/shm entries (removed now): {left}")
