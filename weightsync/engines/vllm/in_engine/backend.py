@@ -63,7 +63,7 @@ from ....wire import gloo
 from ....wire.delta import LoadedCopies
 from ....wire.files import MappedFiles
 from ....wire.protocol import RELOAD_REPORT, InitInfo, Outcome, UpdateInfo
-from .heap import keep_freed_memory
+from .heap import free_later, keep_freed_memory
 from .model_ops import (
     abandon_layerwise_reload,
     check_loadable,
@@ -390,6 +390,7 @@ def _make_engine_class() -> type:
                 self._buckets = self._stage.buckets
                 self._load(iter(pairs))
                 self.drop_stage()
+                free_later(pairs)  # out of the pause
             except Exception as e:  # noqa: BLE001 (reported, see the module docstring)
                 self._fail(e)
 

@@ -39,6 +39,7 @@ from ....wire.files import MappedFiles, check_files
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, Outcome
 from . import backend, ledger, model_ops
 from . import checkpoint as ckpt
+from .heap import free_later
 from .model_ops import check_loadable
 
 
@@ -255,6 +256,7 @@ class WeightsyncWorker:
             copies.commit(self._weightsync_stage_delta, stage.buckets)
             self._weightsync_stage_delta = ""
         self._weightsync_drop_stage()
+        free_later(pairs)  # out of the pause
         return outcome.to_json()
 
     def weightsync_drop_staged(self) -> dict:

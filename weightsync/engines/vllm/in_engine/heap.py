@@ -18,6 +18,9 @@ those blocks. The cost: the process keeps the most memory it ever used, the peak
 
 For an in-process engine that process is the trainer's. ``WEIGHTSYNC_KEEP_FREED_MEMORY=0`` in
 the engine process's environment turns it off.
+
+`free_later` frees a committed stage's tensors in a thread of their own: at 0.5B, freeing the
+~300 tensors of a gloo stage took 65-92 ms, which the commit's pause need not hold.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -61,3 +65,9 @@ def _keep() -> bool:
     if not kept:
         logger.warning("weightsync: glibc refused mallopt; every sync faults its memory anew")
     return kept
+
+
+def free_later(tensors: list[Any]) -> None:
+    """Empty ``tensors`` (the caller's last reference to a committed stage's pairs) in a thread
+    of its own, so that their memory is freed after the commit's pause rather than inside it."""
+    threading.Thread(target=tensors.clear, name="weightsync-free-stage", daemon=True).start()
