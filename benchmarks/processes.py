@@ -232,8 +232,8 @@ class VLLMServer:
                     self._record()
                     lowest_priority_tp_workers(self.procs.values())
                     return
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy starting to answer within 2 s
             time.sleep(1)
         raise TimeoutError(f"vllm serve not up after {self.start_timeout_s} s: {self.tail()}")
 
