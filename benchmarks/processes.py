@@ -339,19 +339,25 @@ def multiproc_llm(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[An
     options = engine_options(
         checkpoint, worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=tp, **kwargs
     )
+    # The LLM's processes are those this process started while making it (its engine core and
+    # the core's workers), taken then: a process started later belongs to another engine this
+    # process made meanwhile (a test's TP=2 engine beside a module's LLM), not to this one.
+    # Python's resource tracker, started for this process by the LLM's first spawn, lives as
+    # long as this process (it unlinks what a dead creator left when this process exits): it is
+    # not the LLM's to stop, and killing it would leak what it tracks.
+    started: list[Any] = []
     try:
-        llm = LLM(**options)
-        lowest_priority_tp_workers(p for p in me.children(recursive=True) if p.pid not in before)
+        try:
+            llm = LLM(**options)
+        finally:
+            started = [
+                p
+                for p in me.children(recursive=True)
+                if p.pid not in before and not _is_resource_tracker(p)
+            ]
+        lowest_priority_tp_workers(started)
         yield llm
     finally:
-        # Python's resource tracker, started for this process by the LLM's first spawn, lives
-        # as long as this process (it unlinks what a dead creator left when this process
-        # exits): it is not the LLM's to stop, and killing it would leak what it tracks.
-        started = [
-            p
-            for p in me.children(recursive=True)
-            if p.pid not in before and not _is_resource_tracker(p)
-        ]
         held = shm_mapped(p.pid for p in started)
         if llm is not None:
             # The engine core waits up to ``grace`` for its workers, then stops itself; at load
