@@ -12,9 +12,16 @@ freed memory is kept).
 What `keep_freed_memory` does, once per process, on glibc and only when the worker computes on
 the CPU: ``mallopt(M_MMAP_MAX, 0)`` (no block is a mapping of its own, so a freed one goes back
 to the heap) and ``mallopt(M_TRIM_THRESHOLD, INT_MAX)`` (the heap is not given back). Later
-allocations of the same sizes -- the next reload's layers, the next stage's buffers -- reuse
-those blocks. The cost: the process keeps the most memory it ever used, the peak of a sync
-(the old and the new weights of a layer, and a whole stage with gloo), between syncs too.
+allocations that fit those blocks -- the next reload's layers, the next stage's buffers -- reuse
+them. The cost: the process keeps the most memory it ever used, the peak of a sync (the old and
+the new weights of a layer, and a whole stage with gloo), between syncs too.
+
+What it does not guarantee: a tensor the size of the largest block freed may still take fresh
+pages. PyTorch allocates CPU tensors 64-byte aligned (``posix_memalign``), for which glibc asks
+its heap for a little more than the tensor and hands the small rest back; while that rest is
+held, the freed block does not join the free memory beside it, and the next tensor of its size
+does not fit in it. A 0.5B server's reload still faulted in an embedding's worth now and then
+(docs/benchmarks.md).
 
 For an in-process engine that process is the trainer's. ``WEIGHTSYNC_KEEP_FREED_MEMORY=0`` in
 the engine process's environment turns it off.
