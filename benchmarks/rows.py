@@ -179,8 +179,9 @@ ROWS: list[Row] = [
         "weightsync",
         "server_tmpfs",
         "dense",
-        "VLLMServerEngine(transport='tmpfs'): safetensors buckets kept in /dev/shm and "
-        "rewritten in place, both sides keeping them mapped; loaded by the worker extension",
+        "VLLMServerEngine(transport='tmpfs'): safetensors buckets in sealed memory files, kept "
+        "and rewritten in place, both sides keeping them mapped; checked by the workers while "
+        "the server serves, loaded in the pause",
     ),
     Row(
         "server_tmpfs_untagged",
@@ -197,8 +198,8 @@ ROWS: list[Row] = [
         "weightsync",
         "server_tmpfs_fresh",
         "dense",
-        "TmpfsTransport(keep=False): a new folder of safetensors buckets per sync, read and "
-        "removed",
+        "TmpfsTransport(keep=False): new sealed memory files per sync, mapped, checked, "
+        "loaded and let go",
     ),
     Row(
         "server_gloo",

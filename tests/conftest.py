@@ -618,11 +618,20 @@ def folders_left(engines) -> list[Path]:
         for e in engines
         for p in (
             e._adapter_root,
-            getattr(e.transport, "root", None),
+            _transport_root(e.transport),
             e.adapter_path and Path(e.adapter_path).parent,
         )
         if p and p.exists()
     ]
+
+
+def _transport_root(transport: Any) -> Path | None:
+    """The folder a transport made (left behind if it still exists), or the one a caller gave
+    it (left behind if anything is still in it)."""
+    root = getattr(transport, "root", None)
+    if root is None or getattr(transport, "_owned", True) or not root.exists():
+        return root
+    return root if any(root.iterdir()) else None
 
 
 @contextlib.contextmanager

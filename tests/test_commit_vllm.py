@@ -5,13 +5,16 @@ to generate, for every client -- instead of serving a mix of old and new layers.
 Two servers on one tiny model, with weightsync's worker extension and middleware
 (``server_lease.py``), started together once for the module. The failures are real ones:
 
-- a stage that fails part-way on one replica: its staging folder holds a folder where the third
-  bucket's file must go, so the trainer's write of that file fails (``IsADirectoryError``) after
-  two files were written -- while the other replica had staged everything;
-- a stage that succeeded and is then rewritten before the commit (one byte of a staged file):
-  the workers' tag check refuses it, so one replica commits and the other does not;
+- a stage that fails part-way on one replica: that replica's transport writes files in a folder
+  (``TmpfsTransport(root)``) which holds a folder where the third bucket's file must go, so the
+  trainer's write of that file fails (``IsADirectoryError``) after two files were written --
+  while the other replica had staged everything;
+- a stage that succeeded and that another client drops before the commit
+  (``weightsync_drop_staged``): one replica commits and the other refuses;
 - a worker error while applying: a bucket holding a name the model lacks reaches vLLM's loader
-  after the embeddings and layer 0's attention were written (``conftest.bad_stream``).
+  after the embeddings and layer 0's attention were written (``conftest.bad_stream``, through
+  files in a folder, which the workers check and load inside the commit: sealed files are
+  checked, names included, before the pause).
 
 A separate HTTP client checks what each server answers.
 """
@@ -24,11 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from conftest import bad_stream, one_per_bucket
+from lease_trainer import staged_bytes
 
 from benchmarks.processes import VLLMServer, serving
 from weightsync import FullSync
 from weightsync import testing as T
-from weightsync.engines import Replicas, TmpfsTransport, VLLMServerEngine
+from weightsync.engines import HTTPControl, Replicas, TmpfsTransport, VLLMServerEngine
 from weightsync.engines.contract import Staged
 from weightsync.engines.vllm.server_lease import FENCED_HEADER
 from weightsync.errors import EngineFencedError, ReplicasSplitError
@@ -85,12 +89,12 @@ def staged_files(engine: VLLMServerEngine) -> list[str]:
     return sorted(p.name for p in engine.transport.root.rglob("*.safetensors*"))
 
 
-def test_one_failed_stage_commits_none(servers):
+def test_one_failed_stage_commits_none(servers, tmp_path):
     """Replica 1's stage fails part-way: neither replica is written, both serve the old weights
     at their old versions, nothing of the sync stays staged; then an honest sync commits both."""
     old, new = model(60), model(61)
     fleet = Replicas([VLLMServerEngine(s.url) for s in servers])
-    blocked = VLLMServerEngine(servers[1].url, transport=TmpfsTransport())
+    blocked = VLLMServerEngine(servers[1].url, transport=TmpfsTransport(tmp_path / "blocked"))
     engines = [*fleet.engines, blocked]
     try:
         FullSync().sync(old, fleet)
@@ -108,7 +112,8 @@ def test_one_failed_stage_commits_none(servers):
 
         assert [client_tokens(s.url) for s in servers] == [trainer_tokens(old)] * 2
         assert [e.weights_version for e in split.engines] == before  # nothing was written
-        assert staged_files(split.engines[0]) == staged_files(blocked) == []
+        assert staged_files(blocked) == [] and not split.engines[0].transport._kept._maps
+        assert all(staged_bytes(s.url) == 0 for s in servers)
 
         FullSync().sync(new, split)  # the failed stage left nothing in the way
         assert [client_tokens(s.url) for s in servers] == [trainer_tokens(new)] * 2
@@ -118,29 +123,30 @@ def test_one_failed_stage_commits_none(servers):
             e.close()
 
 
-class RewrittenAfterStaging(VLLMServerEngine):
-    """A replica whose staged files someone rewrites between the stage and the commit (one
-    byte of the first file): its workers' tag check refuses the load."""
+class DroppedAfterStaging(VLLMServerEngine):
+    """A replica whose stage another client drops between the stage and the commit
+    (``weightsync_drop_staged``): its workers refuse the commit, nothing loaded."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.other_client = HTTPControl(url)
 
     def stage_weights(self, buckets):
         staged = super().stage_weights(buckets)
 
         def commit():
-            first = self.transport.root / "kept" / bucket_name(0)
-            data = bytearray(first.read_bytes())
-            data[-1] ^= 1
-            first.write_bytes(bytes(data))
+            self.other_client.rpc("weightsync_drop_staged", {})
             return staged.apply()
 
         return Staged(commit, staged.drop, staged.discard)
 
 
 def test_a_commit_failing_on_one_replica_names_what_each_holds(servers):
-    """Both staged; replica 1's commit is refused (its files were rewritten after staging):
+    """Both staged; replica 1's commit is refused (its stage was dropped by another client):
     the error names both replicas and their versions; the next honest sync restores both."""
     old, new, newer = model(62), model(63), model(64)
     plain = Replicas([VLLMServerEngine(s.url) for s in servers])
-    rewritten = RewrittenAfterStaging(servers[1].url)
+    rewritten = DroppedAfterStaging(servers[1].url)
     engines = [*plain.engines, rewritten]
     try:
         FullSync().sync(old, plain)
@@ -151,7 +157,7 @@ def test_a_commit_failing_on_one_replica_names_what_each_holds(servers):
         version = fleet.engines[0].weights_version
         assert "replica(s) [1] after replica(s) [0] committed" in said, said
         assert f"replica 0: committed, serves the new weights (version {version!r})" in said
-        assert "replica 1: its commit failed (BytesRejectedError" in said
+        assert "replica 1: its commit failed (" in said and "nothing is staged" in said, said
         assert client_tokens(servers[0].url) == trainer_tokens(new)
         assert client_tokens(servers[1].url) == trainer_tokens(old)  # refused whole: no mix
 
@@ -162,14 +168,14 @@ def test_a_commit_failing_on_one_replica_names_what_each_holds(servers):
             e.close()
 
 
-def test_a_write_failing_part_way_fences_the_server(servers):
+def test_a_write_failing_part_way_fences_the_server(servers, tmp_path):
     """A worker error while applying, after layers were written: every client gets 503 with
     the reason (the trainer `EngineFencedError`) -- a request admitted before the failure too --
     health stays up, a write that is not a full restore keeps the fence, and a full sync lifts
     it with exactly the new weights."""
     url = servers[0].url
     old, new = model(65), model(66)
-    engine = VLLMServerEngine(url)
+    engine = VLLMServerEngine(url, transport=TmpfsTransport(tmp_path / "files"))
     try:
         FullSync().sync(old, engine)
         assert client_tokens(url) == trainer_tokens(old)

@@ -272,14 +272,20 @@ def test_a_dummy_server_is_filled_by_the_first_sync(dummy_server):
         engine.close()
 
 
-#: A trainer that syncs into kept tmpfs files (no engine: the RPC answers nothing), says where
-#: they are, and waits to be killed.
+#: A trainer that syncs into kept tmpfs files (no engine: the RPC answers nothing) -- sealed
+#: ones, and files in a folder (the transport's fallback when its workers cannot open the sealed
+#: ones, here a probe that fails) --, says where both transports' folders are, and waits to be
+#: killed.
 KEPT_FILES_TRAINER = """
 import sys, time, torch
 from weightsync.engines import TmpfsTransport
-transport = TmpfsTransport()
-transport.send(lambda method, kwargs: [], [[("w", torch.ones(1 << 16))]])
-print(transport.root, flush=True)
+def unreachable(method, kwargs):
+    raise FileNotFoundError("/proc/<trainer>/fd: another PID namespace")
+sealed, folder = TmpfsTransport(), TmpfsTransport()
+folder.connect(unreachable, 1)
+for transport in (sealed, folder):
+    transport.send(lambda method, kwargs: [], [[("w", torch.ones(1 << 16))]])
+print(sealed.root, folder.root, flush=True)
 time.sleep(600)
 """
 
@@ -302,11 +308,12 @@ def killed(dummy_server):
         assert served.adapter_path is not None
         adapters = Path(served.adapter_path).parent  # the worker's scratch folder, its host's
         assert trainer.stdout is not None
-        kept = Path(trainer.stdout.readline().strip())
+        sealed, kept = map(Path, trainer.stdout.readline().split())
         # Checked while their owners live: once they are dead, any weightsync process starting
         # on this machine may sweep them (another test worker's, too).
         assert adapters.name.startswith("weightsync-") and adapters.is_dir()
         assert (kept / "kept" / "bucket-00000.safetensors").is_file()
+        assert sealed.is_dir() and not list(sealed.rglob("*"))  # sealed files are in no folder
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         kill(dummy_server)

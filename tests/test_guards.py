@@ -204,12 +204,14 @@ def _mode(path) -> int:
 
 
 def test_folders_and_files_are_the_owners_only(tmp_path):
-    transport = TmpfsTransport()
+    transport = TmpfsTransport(tmp_path / "root")
     try:
         assert _mode(transport.root) == 0o700
-        written = transport._kept.write(BUCKETS)  # type: ignore[union-attr]
-        assert _mode(transport._kept.folder) == 0o700  # type: ignore[union-attr]
-        assert {_mode(transport._kept.folder / n) for n in written.names} == {0o600}  # type: ignore[union-attr]
+        kept = transport._kept
+        assert kept is not None and kept.folder is not None
+        written = kept.write(BUCKETS)
+        assert _mode(kept.folder) == 0o700
+        assert {_mode(kept.folder / n) for n in written.names} == {0o600}
     finally:
         transport.close()
     fresh = write_folder(BUCKETS, tmp_path / "fresh")

@@ -105,6 +105,7 @@ from weightsync.engines import (
 from weightsync.engines.vllm.control import greedy_generate
 from weightsync.errors import BaseUnprovenError, WeightSyncError
 from weightsync.wire import gloo
+from weightsync.wire.files import bucket_name
 
 MAX_TOKENS = 8
 #: The calls of vLLM's weight-transfer client that open, fill or close an update.
@@ -789,11 +790,8 @@ class Walk:
         transport = engine.transport
         streamed = transport.name in ("gloo", "weight-transfer:gloo")
         kinds = ["trainer", "forged"]
-        if (self.target == "replicas" and not streamed) or transport.name.endswith("files"):
-            # a tmpfs file is checked at its load, in the commit: one replica refusing there
-            # after the other committed is a split the sync reports (ReplicasSplitError),
-            # tested in tests/test_commit_vllm.py, not a fault that leaves every engine as it
-            # was; the weight-transfer API's files are forged in tests/test_weight_transfer_vllm.py
+        if not streamed and getattr(transport, "_kept", None) is None:
+            # the weight-transfer API's files are forged in tests/test_weight_transfer_vllm.py
             kinds = ["trainer"]
         kind = self.fault_rng.choice(kinds)
         at = self.fault_rng.randrange(8)  # which tensor of the stream
@@ -822,24 +820,23 @@ class Walk:
             gloo.broadcast = corrupting
             stack.callback(setattr, gloo, "broadcast", send)
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
-        elif kind == "forged":  # tmpfs: a file rewritten between the trainer's write and the load
-            forward = engine.control.commit  # the commit carries the load (remote.py)
+        elif kind == "forged":  # tmpfs: a sealed file changed after its tag, before the stage
+            files = transport._kept
+            write = files.write
 
-            def rewrite_then_forward(commit):
-                for kwargs in (s[2] for s in commit.steps if s[1] == "weightsync_load_files"):
-                    if kwargs.get("files"):
-                        files = kwargs["files"]
-                        name = files[min(at, len(files) - 1)]
-                        with open(f"{kwargs['folder']}/{name}", "r+b") as f:
-                            f.seek(-4, 2)
-                            last = f.read(4)
-                            f.seek(-4, 2)
-                            f.write(bytes(b ^ 0x55 for b in last))
-                        fired.append(at)
-                return forward(commit)
+            def rewritten(*args, **kwargs):
+                # a writer that mapped the file before its seal (standing in: the trainer's
+                # own mapping) changes a byte the trainer's tag covers
+                written = write(*args, **kwargs)
+                if written.names:
+                    index = min(at, len(written.names) - 1)
+                    mapped = files._maps[bucket_name(index)][1]
+                    mapped[-1] ^= 0x55
+                    fired.append(at)
+                return written
 
-            engine.control.commit = rewrite_then_forward
-            stack.callback(delattr, engine.control, "commit")
+            files.write = rewritten
+            stack.callback(delattr, files, "write")
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
         else:
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))

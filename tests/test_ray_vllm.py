@@ -10,6 +10,7 @@ trainer's after every sync; the actor killed mid-sync comes last (it loses one o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
 import random
@@ -462,6 +463,10 @@ def _async_actor_class():
         async def paused(self) -> bool:
             return bool(await self.engine.is_paused())
 
+        async def drop_workers_stage(self) -> None:
+            """Another caller drops what the AsyncLLM's workers staged."""
+            await self.engine.collective_rpc("weightsync_drop_staged")
+
         def pids(self) -> list[int]:
             """This process, then the processes the AsyncLLM started."""
             me = psutil.Process()
@@ -508,7 +513,7 @@ def async_actor(cluster, checkpoint):
 def test_an_asyncllm_in_an_async_actor(async_actor):
     """The decision table through an ``AsyncLLM`` inside an async actor on the other node: its
     control calls run on the actor's event loop, its bytes come through the object store and
-    reach its engine core (another process) through a RAM folder on that node; the version
+    reach its engine core (another process) through sealed RAM files on that node; the version
     the engine reports labels the framework's own generations."""
     engine = RayVLLMEngine(async_actor, timeout_s=300)
     try:
@@ -544,8 +549,8 @@ def test_an_asyncllm_in_an_async_actor(async_actor):
 
 def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(async_actor):
     """The trainer commits in one actor call (pause, load, version, reset, resume all run in
-    the actor): a load that fails inside it -- the staged files removed under it, so the
-    workers find none to load -- is recovered and resumed by that same call, with no second
+    the actor): a load that fails inside it -- the workers' stage dropped under it, so they
+    find nothing to load -- is recovered and resumed by that same call, with no second
     call from the trainer (a trainer that died there would leave no paused actor); the error
     reaches the trainer, and the next sync is exact. A transport that would stream inside a pause the
     trainer holds is refused: no weightsync write leaves an actor's pause to the trainer."""
@@ -557,12 +562,13 @@ def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(
         sync_and_check(FullSync(), old, engine)
         expected = ray.get(async_actor.generate.remote(T.PROMPTS[0], 4), timeout=300)[0]
         staged = engine.stage_weights(one_per_bucket(full_model(ARCH, seed=76), engine))
-        for file in _staged_files(async_actor):  # the workers' load will find nothing
-            file.unlink()
+        assert _staged_files(async_actor)
+        # the workers' stage dropped under the actor: their load will find nothing
+        ray.get(async_actor.drop_workers_stage.remote(), timeout=60)
         made: list[str] = []
         call = engine.control.call
         engine.control.call = lambda name, *args: made.append(name) or call(name, *args)
-        with pytest.raises(BytesRejectedError, match=r"0 bucket files came with .* tags"):
+        with pytest.raises(RuntimeError, match="nothing is staged"):
             staged.apply()
         # One call for the whole commit and its recovery; after it, the trainer's own label of
         # its lost base (`mark_lost`), nothing of the pause.
@@ -577,10 +583,16 @@ def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(
         engine.close()
 
 
-def _staged_files(actor: Any) -> list[Path]:
-    """The files of the RAM folder an actor whose workers are other processes stages into."""
+def _staged_files(actor: Any) -> list[str]:
+    """The sealed bucket files an actor whose workers are other processes stages into: the
+    memory files it holds open (in no folder)."""
     (pid,) = ray.get(actor.pids.remote(), timeout=60)[:1]
-    return [p for p in SHM.glob(f"weightsync-{pid}-*/update-*/*") if p.is_file()]
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd).startswith("/memfd:weightsync-bucket-"):
+                found.append(str(fd))
+    return found
 
 
 class ActorRollouts:
@@ -792,7 +804,7 @@ def test_a_failed_stage_leaves_the_old_weights_and_the_pause_covers_only_the_com
 
 def _held_for(actor: Any, bound_s: float, files: bool = False) -> float:
     """How long until ``actor`` holds no stage (at most ``bound_s``: else the test fails), nor,
-    with ``files``, any staged file in its RAM folder (a stage call still running writes
+    with ``files``, any of its staged RAM files (a stage call still running writes
     there)."""
     start = time.monotonic()
     while ray.get(actor.stage_held.remote(), timeout=bound_s) or (files and _staged_files(actor)):
@@ -810,7 +822,7 @@ def test_a_stage_expiry_that_is_no_positive_number_is_refused_at_attach(ttl, mon
 
 def test_a_stage_nobody_commits_expires_and_its_commit_is_refused(staging_engine):
     """A stage held uncommitted past its time to live (``WEIGHTSYNC_STAGE_EXPIRY_S``, here 1 s)
-    is dropped by the actor -- its bytes, and for the AsyncLLM actor its RAM folder -- and its
+    is dropped by the actor -- its bytes, and for the AsyncLLM actor its RAM files -- and its
     commit is refused before any pause, a `StageLostError` saying why, the old weights served
     and the base kept. A stage another trainer's stage replaced is refused alike, and the
     other's commit is exact (neither commit nor drop touches another sync's stage). Commits
@@ -983,7 +995,7 @@ def _trainer_class():
 
 @pytest.fixture(params=["llm", "asyncllm"])
 def rollout(request, actors):
-    """The module's LLM actor (by reference), or its AsyncLLM actor (a RAM folder), with a
+    """The module's LLM actor (by reference), or its AsyncLLM actor (RAM files), with a
     short stage time to live (`KILL_EXPIRY_S`), put back after; and which it is."""
     actor = actors[0] if request.param == "llm" else request.getfixturevalue("async_actor")
     ray.get(actor.set_stage_expiry.remote(KILL_EXPIRY_S), timeout=60)
@@ -1002,7 +1014,7 @@ def test_a_trainer_actor_killed_mid_sync_leaves_old_or_new_weights(
     where the commit call reached the actor, which runs it to its end alone -- exactly the
     new weights'; never a mix, never paused for good. The dead trainer's stage is gone from
     the actor (its stage call failed on the lost queue and objects, or it expired after
-    `KILL_EXPIRY_S`), with its RAM folder; nothing of the trainer is left in /dev/shm; and the
+    `KILL_EXPIRY_S`), with its RAM files; nothing of the trainer is left in /dev/shm; and the
     next honest sync from a new trainer is exact."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

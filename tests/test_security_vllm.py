@@ -4,15 +4,18 @@ One server per module on 127.0.0.1, guarded by weightsync's token middleware, wi
 extension, LoRA and the ``"weightsync"`` weight-transfer backend. Checked: every route that can
 change the weights turns a caller without the token away and the server still generates what it
 did; with the token every byte path syncs exactly; a bucket altered between the trainer and the
-workers (a tmpfs file rewritten, a gloo frame corrupted) is refused before it is loaded with a
-`BytesRejectedError`, the engine still serving what it had, and the next sync repairs; a
+workers (a tmpfs file rewritten -- a sealed one cannot be, by anyone but its trainer --, a gloo
+frame corrupted) is refused before it is loaded with a `BytesRejectedError`, the engine still serving what it had, and the next sync repairs; a
 trainer without the token, or one asked to use a server reached over the network without one,
 is refused before it sends anything.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
 
 import pytest
 import requests
@@ -26,6 +29,7 @@ from weightsync.engines import (
     TOKEN_MIDDLEWARE,
     GlooTransport,
     HTTPControl,
+    TmpfsTransport,
     VLLMServerEngine,
     WeightTransferFiles,
 )
@@ -33,6 +37,7 @@ from weightsync.engines.vllm.control import Commit
 from weightsync.engines.vllm.server_lease import COMMIT_PATH
 from weightsync.errors import AuthError, BytesRejectedError
 from weightsync.wire import gloo
+from weightsync.wire.files import bucket_name
 
 ARCH = "qwen2"
 TOKEN = secrets.token_urlsafe(24)
@@ -158,31 +163,94 @@ def test_a_served_adapter_is_checked_then_loaded(engines):
     sync_and_check(AdapterSync(), model, engine)
 
 
-def test_a_bucket_file_rewritten_before_the_load_is_refused_with_nothing_loaded(engines):
-    engine = engines("tmpfs")
-    sync_and_check(FullSync(), full_model(ARCH, seed=20), engine)
-    before = greedy(engine)
-    forward = engine.control.commit
-
-    def rewrite_then_forward(commit):
-        # someone rewrites a file the trainer wrote, just before the commit that loads it
-        [kwargs] = [step[2] for step in commit.steps if step[1] == "weightsync_load_files"]
-        path = f"{kwargs['folder']}/{kwargs['files'][-1]}"
-        with open(path, "r+b") as f:
-            f.seek(-4, 2)
-            last = f.read(4)
-            f.seek(-4, 2)
-            f.write(bytes(b ^ 0x55 for b in last))
-        return forward(commit)
-
-    engine.control.commit = rewrite_then_forward  # type: ignore[method-assign]
+OTHER_WRITER = """
+import mmap, os, sys
+path = sys.argv[1]
+tried = []
+for what, attempt in [
+    ("write", lambda f: (f.seek(0), f.write(b"x"), f.flush())),
+    ("map", lambda f: mmap.mmap(f.fileno(), 0)),
+    ("truncate", lambda f: os.ftruncate(f.fileno(), 1)),
+]:
     try:
-        with pytest.raises(BytesRejectedError, match=r"bucket file bucket-\d+.*not the ones"):
+        with open(path, "r+b") as f:
+            attempt(f)
+        tried.append(what + ": done")
+    except OSError as e:
+        tried.append(f"{what}: {e.strerror}")
+print(";".join(tried))
+"""
+
+
+def test_a_staged_file_cannot_be_rewritten_and_a_rewrite_before_the_seal_is_refused(engines):
+    """tmpfs's sealed files. Another process of the same user, holding the path the workers
+    open, can neither write a staged file, map it writable nor resize it; a writer that mapped
+    a file before its seal (standing in: the trainer's own mapping) and changes a byte after
+    the trainer's tag is refused by the workers' stage: never paused, nothing loaded."""
+    engine = engines("tmpfs")
+    assert engine.transport.sealed
+    sync_and_check(FullSync(), full_model(ARCH, seed=20), engine)
+    before, version = greedy(engine), engine.weights_version
+    kept = engine.transport._kept
+    paths = [f"/proc/{os.getpid()}/fd/{fd}" for _, _, fd in kept._maps.values()]
+    for path in paths:
+        said = subprocess.run(
+            [sys.executable, "-c", OTHER_WRITER, path], capture_output=True, text=True
+        ).stdout.strip()
+        assert said == "write: Operation not permitted;map: Operation not permitted;" + (
+            "truncate: Operation not permitted"
+        ), (path, said)
+
+    write = kept.write
+
+    def rewritten_after_the_tag(*args, **kwargs):
+        written = write(*args, **kwargs)
+        _, mapped, _ = kept._maps[bucket_name(len(written.names) - 1)]
+        mapped[-1] ^= 0x55
+        return written
+
+    kept.write = rewritten_after_the_tag  # type: ignore[method-assign]
+    try:
+        with pytest.raises(BytesRejectedError, match=r"bucket file /proc/.*not the ones"):
             FullSync().sync(full_model(ARCH, seed=21), engine)
     finally:
-        del engine.control.commit
-    assert greedy(engine) == before  # every file is checked before the first is loaded
+        del kept.write
+    assert greedy(engine) == before and engine.weights_version == version  # never written
     sync_and_check(FullSync(), full_model(ARCH, seed=21), engine)
+
+
+def test_a_bucket_file_rewritten_before_the_load_is_refused_with_nothing_loaded(server, tmp_path):
+    """tmpfs with files in a folder (``root``: for workers that cannot open the trainer's
+    sealed files): any process of the same user can rewrite these, so the workers check every
+    file inside the commit, before loading the first."""
+    engine = VLLMServerEngine(server.url, token=TOKEN, transport=TmpfsTransport(tmp_path / "b"))
+    try:
+        assert not engine.transport.sealed
+        sync_and_check(FullSync(), full_model(ARCH, seed=22), engine)
+        before = greedy(engine)
+        forward = engine.control.commit
+
+        def rewrite_then_forward(commit):
+            # someone rewrites a file the trainer wrote, just before the commit that loads it
+            [kwargs] = [step[2] for step in commit.steps if step[1] == "weightsync_load_files"]
+            path = f"{kwargs['folder']}/{kwargs['files'][-1]}"
+            with open(path, "r+b") as f:
+                f.seek(-4, 2)
+                last = f.read(4)
+                f.seek(-4, 2)
+                f.write(bytes(b ^ 0x55 for b in last))
+            return forward(commit)
+
+        engine.control.commit = rewrite_then_forward  # type: ignore[method-assign]
+        try:
+            with pytest.raises(BytesRejectedError, match=r"bucket file bucket-\d+.*not the ones"):
+                FullSync().sync(full_model(ARCH, seed=23), engine)
+        finally:
+            del engine.control.commit
+        assert greedy(engine) == before  # every file is checked before the first is loaded
+        sync_and_check(FullSync(), full_model(ARCH, seed=23), engine)
+    finally:
+        engine.close()
 
 
 def test_a_gloo_frame_corrupted_on_the_way_is_refused_and_the_next_sync_repairs(

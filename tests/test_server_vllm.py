@@ -14,6 +14,7 @@ unlinks its shared memory); the module fails if a stop left anything in ``/dev/s
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ from weightsync.errors import (
     WeightMismatchError,
 )
 from weightsync.wire import format as fmt
+from weightsync.wire.files import SEALS, bucket_name
 
 ARCH = {1: "qwen2", 2: "llama"}  # TP -> model: tied embeddings at TP=1, an untied head at TP=2
 
@@ -82,13 +84,17 @@ def servers(checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(servers):
-    """One engine per (TP, transport), made once: a gloo engine keeps its process group."""
+def engines(servers, tmp_path_factory):
+    """One engine per (TP, transport), made once: a gloo engine keeps its process group.
+    ``"tmpfs-folder"``: tmpfs with files in a folder (checked and loaded inside the commit)."""
     made: dict[tuple[int, str], VLLMServerEngine] = {}
 
     def engine(tp: int, transport: str) -> VLLMServerEngine:
         if (tp, transport) not in made:
-            made[tp, transport] = VLLMServerEngine(servers[tp].url, transport=transport)
+            how: str | TmpfsTransport = transport
+            if transport == "tmpfs-folder":
+                how = TmpfsTransport(tmp_path_factory.mktemp("files"))
+            made[tp, transport] = VLLMServerEngine(servers[tp].url, transport=how)
         return made[tp, transport]
 
     with closed_leaving_nothing(made):
@@ -306,36 +312,45 @@ def test_reload_from_snapshot(engines, tp, transport, served, tmp_path):
 
 def test_kept_files_change_layout_and_fresh_files(engines, servers):
     """The tmpfs transport's kept files when the buckets change (other sizes, fewer: files
-    replaced and removed, the workers map them again), and ``keep=False`` (a folder per sync,
-    removed after); every sync exact."""
-    engine = engines(1, "tmpfs")
-    kept = engine.transport._kept
+    replaced and let go, the workers map them again), sealed and in a folder, and
+    ``keep=False`` (fresh sealed files per sync, let go after); every sync exact."""
+    sealed, folder = engines(1, "tmpfs"), engines(1, "tmpfs-folder")
+    assert sealed.transport.sealed and not folder.transport.sealed
     for step, bucket_bytes in enumerate([64 << 10, 1 << 20, 64 << 10]):
-        model = full_model(ARCH[1], seed=70 + step)
-        FullSync(bucket_bytes=bucket_bytes, skip_unchanged=False).sync(model, engine)
-        T.assert_matches(model, engine, atol=ATOL)
+        for engine in (sealed, folder):
+            model = full_model(ARCH[1], seed=70 + step)
+            FullSync(bucket_bytes=bucket_bytes, skip_unchanged=False).sync(model, engine)
+            T.assert_matches(model, engine, atol=ATOL)
+        kept = sealed.transport._kept
+        assert sorted(kept._maps) == [bucket_name(i) for i in range(len(kept._maps))]
+        assert all(fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEALS for _, _, fd in kept._maps.values())
+        assert not list(sealed.transport.root.iterdir())  # nothing in any folder
+        kept = folder.transport._kept
         assert sorted(p.name for p in kept.folder.iterdir()) == sorted(kept._maps)
     fresh = VLLMServerEngine(servers[1].url, transport=TmpfsTransport(keep=False))
     try:
         model = full_model(ARCH[1], seed=73)
         FullSync().sync(model, fresh)
         T.assert_matches(model, fresh, atol=ATOL)
-        assert not list(fresh.transport.root.iterdir()), "a fresh-files folder was left"
+        assert fresh.transport._kept is None and not list(fresh.transport.root.iterdir())
     finally:
         fresh.close()
     assert not fresh.transport.root.exists()
 
 
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
-@pytest.mark.parametrize("tp,transport", CROSSED)
+@pytest.mark.parametrize(
+    "tp,transport", [*CROSSED, pytest.param(2, "tmpfs-folder", id="tp2-tmpfs-folder")]
+)
 def test_failure_mid_update_leaves_a_working_server(engines, servers, tp, transport, kind):
     engine = engines(tp, transport)
     old = full_model(ARCH[tp], seed=40)
     FullSync().sync(old, engine)
     new = full_model(ARCH[tp], seed=41 + tp)
-    # gloo stages the whole stream and checks every tensor is one the engine loads, at its
-    # shape, before loading any: a name the model lacks is refused with nothing loaded.
-    refused = transport == "gloo" and kind == "engine"
+    # gloo and sealed tmpfs files are staged whole, every tensor checked to be one the engine
+    # loads, at its shape, before loading any: a name the model lacks is refused with nothing
+    # loaded. Files in a folder are checked and loaded inside the commit.
+    refused = transport in ("gloo", "tmpfs") and kind == "engine"
     with pytest.raises(WeightMismatchError if refused else RuntimeError) as failed:
         engine.load_weights(bad_stream(new, engine, kind))
     assert not isinstance(failed.value, EngineBrokenError), failed.value  # recovered, resumed

@@ -1,17 +1,23 @@
 """The tmpfs transport's kept files, both halves, without vLLM: the trainer's `KeptFiles` and
-the worker's `MappedFiles` (the real servers read them in ``test_server_vllm.py``)."""
+the worker's `MappedFiles` (the real servers read them in ``test_server_vllm.py``), in a folder
+and sealed."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from weightsync.engines import TmpfsTransport
+from weightsync.errors import BytesRejectedError
 from weightsync.wire import format as fmt
-from weightsync.wire.files import KeptFiles, MappedFiles
+from weightsync.wire.files import SEALS, KeptFiles, MappedFiles, bucket_name
+from weightsync.wire.tags import Signer
 
 
 def buckets(seed: int, width: int = 5):
@@ -121,3 +127,77 @@ def test_mixed_dtypes_with_odd_sizes_are_viewed_in_place(kept):
     got = dict(MappedFiles().read(str(kept.folder), kept.write([sent]).names))
     for name, tensor in sent:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.fixture
+def sealed():
+    files = KeptFiles()
+    yield files
+    files.close()
+
+
+def test_sealed_files_round_trip_in_place_and_are_in_no_folder(sealed):
+    """Sealed kept files: read through the ``/proc`` paths the workers open, every tensor as
+    written; the same layout is rewritten in place (the worker's views show it without
+    mapping again); the trainer's files are its open descriptors, in no folder."""
+    names = sealed.write(buckets(0)).names
+    assert names == [f"/proc/{os.getpid()}/fd/{fd}" for _, _, fd in sealed._maps.values()]
+    assert all(fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEALS for _, _, fd in sealed._maps.values())
+    worker = MappedFiles()
+    views = dict(worker.read("", names, sealed=True))
+    for name, tensor in flat(buckets(0)).items():
+        assert torch.equal(views[name], tensor), name
+    assert sealed.write(buckets(1)).names == names
+    for name, tensor in flat(buckets(1)).items():
+        assert torch.equal(views[name], tensor), name
+    shorter = sealed.write([buckets(2, width=3)[0]]).names
+    assert len(shorter) == 1 and sorted(sealed._maps) == [bucket_name(0)]
+    got = dict(worker.read("", shorter, sealed=True))
+    assert torch.equal(got["model.norm.weight"], flat(buckets(2, width=3))["model.norm.weight"])
+
+
+OTHER_PROCESS = """
+import mmap, os, sys
+for what, attempt in [
+    ("write", lambda f: (f.write(b"x"), f.flush())),
+    ("map", lambda f: mmap.mmap(f.fileno(), 0)),
+    ("resize", lambda f: os.ftruncate(f.fileno(), 1)),
+]:
+    try:
+        with open(sys.argv[1], "r+b") as f:
+            attempt(f)
+        print(what, "done")
+    except OSError as e:
+        print(what, e.strerror)
+"""
+
+
+def test_no_other_process_writes_a_sealed_file_and_the_trainers_change_is_caught(sealed):
+    """Another process of the same user, with the path the workers open, can neither write,
+    map writable nor resize a sealed file. The trainer's own mapping still writes (the next
+    sync's bytes): a change made through it after the tag -- what a writer that mapped the
+    file before its seal could do -- fails the workers' check, before any tensor is read."""
+    signer = Signer()
+    written = sealed.write(buckets(0), signer=signer)
+    said = subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, written.names[0]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert said[:3] == [
+        "write Operation not permitted",
+        "map Operation not permitted",
+        "resize Operation not permitted",
+    ]
+    sealed._maps[bucket_name(1)][1][-1] ^= 0x55
+    with pytest.raises(BytesRejectedError, match=f"bucket file {written.names[1]}"):
+        MappedFiles().read("", written.names, signer.key_hex, written.tags, sealed=True)
+
+
+def test_a_file_that_is_not_sealed_is_refused_as_sealed(kept):
+    """A reader told the files are sealed refuses one that is not: whoever can write it could
+    change it between the workers' check and the commit."""
+    names = kept.write(buckets(0)).names
+    with pytest.raises(BytesRejectedError, match="not sealed against writers"):
+        MappedFiles().read(str(kept.folder), names, sealed=True)

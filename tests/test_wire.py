@@ -21,6 +21,7 @@ from weightsync.wire import delta as delta_mod
 from weightsync.wire import format as fmt
 from weightsync.wire import gloo, stream
 from weightsync.wire.protocol import EngineFacts, LoraLimits, Outcome, raise_failures
+from weightsync.wire.stage import DEFAULT_STAGE_EXPIRY_S, STAGE_EXPIRY_ENV, stage_expiry_s
 from weightsync.wire.tags import Signer
 
 
@@ -227,16 +228,16 @@ def test_a_commit_racing_the_expiry_gets_the_whole_stage_or_nothing(ranks):
 
 
 def test_the_stage_expiry_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(gloo.STAGE_EXPIRY_ENV, raising=False)
-    assert gloo.stage_expiry_s() == gloo.DEFAULT_STAGE_EXPIRY_S
-    monkeypatch.setenv(gloo.STAGE_EXPIRY_ENV, "2.5")
-    assert gloo.stage_expiry_s() == 2.5
+    monkeypatch.delenv(STAGE_EXPIRY_ENV, raising=False)
+    assert stage_expiry_s() == DEFAULT_STAGE_EXPIRY_S
+    monkeypatch.setenv(STAGE_EXPIRY_ENV, "2.5")
+    assert stage_expiry_s() == 2.5
     for bad in ("0", "-1", "soon", "inf"):
-        monkeypatch.setenv(gloo.STAGE_EXPIRY_ENV, bad)
+        monkeypatch.setenv(STAGE_EXPIRY_ENV, bad)
         with pytest.raises(
             ValueError, match=f"WEIGHTSYNC_STAGE_EXPIRY_S must be a positive.*{bad}"
         ):
-            gloo.stage_expiry_s()
+            stage_expiry_s()
 
 
 # --- the stream protocol (wire.stream), whatever carries it ----------------------------------

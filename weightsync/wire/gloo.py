@@ -29,7 +29,7 @@ memory, while its engine keeps generating, and load it only once every frame and
 checked. A trainer that dies or fails part-way then leaves nothing loaded: the stream is staged,
 then committed (``engines/vllm/transports/gloo.py``). A stage that completed but that no commit
 claims -- its trainer died between the END and the commit -- is dropped after
-``WEIGHTSYNC_STAGE_EXPIRY_S`` (`stage_expiry_s`), so a dead trainer's bytes do not stay in every
+``WEIGHTSYNC_STAGE_EXPIRY_S`` (``wire.stage``), so a dead trainer's bytes do not stay in every
 worker until the next trainer comes.
 """
 
@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from datetime import timedelta
@@ -50,11 +47,12 @@ from typing import Any
 
 import torch
 
-from ..errors import StageExpiredError, WeightSyncError
+from ..errors import WeightSyncError
 from . import format as fmt
 from . import stream
 from .delta import LoadedCopies, SentCopies
 from .protocol import Outcome
+from .stage import Held, Pairs
 from .stream import Kind
 from .tags import Signer
 
@@ -66,34 +64,7 @@ TAG_FRAME_BYTES = 64
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-#: The engine's environment variable (a server's: its workers inherit it) holding how long a
-#: completed stage waits for its commit, in seconds (`Staging`).
-STAGE_EXPIRY_ENV = "WEIGHTSYNC_STAGE_EXPIRY_S"
-
-#: The expiry when the environment sets none. A lone trainer commits within one pause call of
-#: its stage's END (milliseconds), but a fleet (`Replicas`) commits once every replica staged,
-#: so the replica that staged first waits for the slowest one's stream: ten minutes, as long as
-#: one Ray actor call may take, bounds how long a dead trainer's bytes stay in every worker
-#: without expiring a slow fleet's stage. The same variable bounds a Ray actor's stage.
-DEFAULT_STAGE_EXPIRY_S = 600.0
-
 logger = logging.getLogger(__name__)
-
-
-def stage_expiry_s() -> float:
-    """The stage expiry this process's environment sets (`STAGE_EXPIRY_ENV`), or the default.
-
-    Raises:
-        ValueError: it is not a positive, finite number of seconds.
-    """
-    raw = os.environ.get(STAGE_EXPIRY_ENV, str(DEFAULT_STAGE_EXPIRY_S))
-    try:
-        expiry = float(raw)
-    except ValueError:
-        expiry = -1.0
-    if not 0 < expiry < math.inf:
-        raise ValueError(f"{STAGE_EXPIRY_ENV} must be a positive number of seconds, got {raw!r}")
-    return expiry
 
 
 def _group(store: Any, host: str, rank: int, size: int, timeout: timedelta, secret: str) -> Any:
@@ -371,7 +342,7 @@ class Receiver:
             pass
 
 
-class Staging:
+class Staging(Held):
     """A worker's receipt of one whole stream into host memory, in a thread of its own, so the
     engine keeps generating while the bytes travel; nothing is loaded here.
 
@@ -379,21 +350,13 @@ class Staging:
     any failure -- a refused frame, the trainer's ABORT, the trainer gone (gloo reports the
     closed connection), more than ``max_bytes`` -- drains the rest of the stream if it can and
     keeps the error instead of the tensors. Costs the stream's bytes in host memory until the
-    stage is claimed by its commit, dropped, or expires.
-
-    The expiry: once the stream ended whole, the stage waits ``expire_s`` for the commit that
-    `claim` s it; then it is dropped (its tensors let go, `StageExpiredError` kept), so a trainer
-    killed between its stage and its commit does not leave a model's bytes in every worker
-    until the next trainer comes. A lock orders the two: a claim before the expiry gets every
-    tensor and the stage no longer expires; a claim after it is refused. A worker of several
-    (TP ranks) decides alone; ``in_engine/model_ops.claim_staged`` makes the decision one for
-    every worker of an engine.
+    stage is claimed by its commit, dropped, or expires (``wire.stage.Held``: the expiry runs
+    from the stream's END).
 
     Args:
         group, key, copies: as for `Receiver`.
         max_bytes: the most this stage may hold (None: no bound).
-        expire_s: how long a completed stage waits for its claim (None: `stage_expiry_s`, the
-            worker's environment).
+        expire_s: as for `Held`.
 
     Raises:
         ValueError: ``expire_s`` is None and the environment's expiry is not a valid one.
@@ -408,31 +371,15 @@ class Staging:
         max_bytes: int | None = None,
         expire_s: float | None = None,
     ) -> None:
-        self._expire_s = stage_expiry_s() if expire_s is None else float(expire_s)
+        super().__init__(expire_s)
         self._receiver = Receiver(group, key, copies)
         self._max_bytes = max_bytes
-        self._pairs: list[tuple[str, torch.Tensor]] = []
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()  # orders the claim, the drop and the expiry
-        self._claimed = self._dropped = False
-        self._timer: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="weightsync-stage", daemon=True)
         self._thread.start()
 
-    @property
-    def buckets(self) -> int:
-        """Buckets received and checked so far."""
-        return self._receiver.buckets
-
-    @property
-    def held(self) -> int:
-        """Bytes of tensors this stage holds now (0 once claimed and let go, dropped, expired
-        or failed)."""
-        with self._lock:
-            return sum(t.nbytes for _, t in self._pairs)
-
     def _run(self) -> None:
         held = 0
+        pairs: Pairs = []
         try:
             for name, tensor in self._receiver:
                 held += tensor.nbytes
@@ -441,37 +388,22 @@ class Staging:
                         f"the stream needs more than the {self._max_bytes} bytes this worker "
                         "may stage (max_stage_bytes): nothing was loaded"
                     )
-                self._pairs.append((name, tensor))
+                pairs.append((name, tensor))
+                self._pairs = pairs  # counted by `held` as the bytes come
         except BaseException as e:  # noqa: BLE001 (kept for `wait`; this thread ends here)
-            with self._lock:
-                self._error, self._pairs = e, []
+            self.fail(e)
             if not self._receiver.finished:
                 with contextlib.suppress(Exception):  # the trainer is gone: nothing to drain
                     self._receiver.drain()
             return
-        with self._lock:
-            if self._dropped:  # let go while the bytes still came
-                self._pairs = []
-                return
-            ended = time.time()
-            self._timer = threading.Timer(self._expire_s, self._expire, (ended,))
-            self._timer.daemon = True
-            self._timer.start()
+        self.hold(pairs, self._receiver.buckets)
 
-    def _expire(self, ended: float) -> None:
-        with self._lock:
-            if self._claimed or self._dropped:
-                return
-            self._dropped = True
-            self._pairs = []
-            self._error = StageExpiredError(
-                f"the staged sync ended at {time.strftime('%H:%M:%S', time.localtime(ended))} "
-                f"and no commit claimed it within {self._expire_s:g} s ({STAGE_EXPIRY_ENV}): "
-                "this worker dropped it; nothing of it was loaded"
-            )
-        logger.warning("weightsync: %s", self._error)
+    def _ready(self) -> None:
+        self._thread.join(0.0)
+        if self._thread.is_alive():
+            raise WeightSyncError("the staged stream has not ended: nothing was loaded")
 
-    def wait(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
+    def wait(self, timeout_s: float) -> Pairs:
         """The staged ``(name, tensor)`` pairs, once the END frame was received and checked.
 
         Raises:
@@ -488,36 +420,6 @@ class Staging:
             if self._error is not None:
                 raise self._error
             return self._pairs
-
-    def claim(self) -> list[tuple[str, torch.Tensor]]:
-        """The staged pairs, for the commit that loads them: from here on the stage does not
-        expire (the caller lets it go with `drop` once loaded).
-
-        Raises:
-            StageExpiredError: it expired first (nothing of it is held any more).
-            Exception: what `wait` raises, without waiting.
-        """
-        self._thread.join(0.0)
-        with self._lock:
-            if self._thread.is_alive():
-                raise WeightSyncError("the staged stream has not ended: nothing was loaded")
-            if self._error is not None:
-                raise self._error
-            if self._dropped:
-                raise WeightSyncError("the stage was dropped before its commit")
-            self._claimed = True
-            if self._timer is not None:
-                self._timer.cancel()
-            return self._pairs
-
-    def drop(self) -> None:
-        """Let go of the staged tensors (a thread still receiving lets go of its own when the
-        stream ends)."""
-        with self._lock:
-            self._dropped = True
-            self._pairs = []
-            if self._timer is not None:
-                self._timer.cancel()
 
 
 def gather_outcomes(group: Any, size: int, mine: Outcome) -> tuple[Any, list[torch.Tensor]]:

@@ -37,6 +37,7 @@ from ....wire import gloo, scratch
 from ....wire.delta import LoadedCopies
 from ....wire.files import MappedFiles, check_files
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, Outcome
+from ....wire.stage import Held, stage_expiry_s
 from . import backend, ledger, model_ops
 from . import checkpoint as ckpt
 from .heap import free_later
@@ -57,11 +58,12 @@ class WeightsyncWorker:
 
     _weightsync_facts: EngineFacts | None = None
     _weightsync_mapped: MappedFiles | None = None
+    _weightsync_sealed: MappedFiles | None = None
     _weightsync_group: Any = None
     _weightsync_store: Any = None
     _weightsync_adapter_root: Path | None = None
     _weightsync_copies: LoadedCopies | None = None
-    _weightsync_stage: gloo.Staging | None = None
+    _weightsync_stage: Held | None = None
     _weightsync_stage_delta: str = ""
 
     def _weightsync_outcome(self, error: BaseException | None = None, value: Any = None) -> dict:
@@ -123,6 +125,44 @@ class WeightsyncWorker:
         except Exception as e:  # noqa: BLE001 (returned to the trainer, see the module docstring)
             return self._weightsync_outcome(e)
         return self._weightsync_reload(stream)
+
+    def weightsync_stage_files(
+        self, files: list[str], key: str = "", tags: list[str] | None = None, keep: bool = True
+    ) -> dict:
+        """Stage the trainer's sealed bucket files (tmpfs transport, ``wire.files``) while the
+        engine serves: map each (``/proc/<trainer>/fd/<n>``; one that is not sealed is refused),
+        check every tag and that this engine loads every tensor, and hold the views for
+        `weightsync_commit_staged` (or until they expire, ``WEIGHTSYNC_STAGE_EXPIRY_S``). The
+        seals leave the trainer's own mapping as the files' only writer, so what is checked
+        here is what the commit loads. ``keep``: keep the mappings for the next sync's files
+        (dropped if the stage expires: its trainer is likely gone); else they go with the
+        stage. The value is how many files were staged."""
+        self._weightsync_drop_stage()
+        try:
+            expire_s = stage_expiry_s()
+            if keep:
+                mapped = self._weightsync_sealed = self._weightsync_sealed or MappedFiles()
+            else:
+                mapped = MappedFiles()
+            pairs = list(mapped.read("", files, key, tags, sealed=True))
+            check_loadable(pairs, self._weightsync_known_facts().weights)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            if self._weightsync_sealed is not None:
+                self._weightsync_sealed.forget()  # the trainer lets these files go
+            return self._weightsync_outcome(e)
+        stage = Held(expire_s, on_expire=mapped.forget)
+        stage.hold(pairs, len(files))
+        self._weightsync_stage = stage
+        return self._weightsync_outcome(value=len(files))
+
+    def weightsync_open_sealed(self, files: list[str]) -> dict:
+        """Map the trainer's sealed files ``files`` and let them go: whether this worker can
+        open its trainer's files at all (``TmpfsTransport.connect``)."""
+        try:
+            list(MappedFiles().read("", files, sealed=True))
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome()
 
     def _weightsync_reload(self, stream: Any) -> dict:
         """`model_ops.reload`, its report saying whether every weight of the engine came."""
@@ -210,7 +250,7 @@ class WeightsyncWorker:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
         self._weightsync_drop_stage()
         try:
-            expire_s = gloo.stage_expiry_s()  # refused before a byte is staged
+            expire_s = stage_expiry_s()  # refused before a byte is staged
         except ValueError as e:
             return self._weightsync_outcome(e)
         copies = None
@@ -228,8 +268,8 @@ class WeightsyncWorker:
         staged tensor (`check_loadable`); the value is how many buckets it held. A stage that
         failed is dropped and its error returned: nothing was loaded."""
         stage = self._weightsync_stage
-        if stage is None:
-            return self._weightsync_outcome(RuntimeError("nothing is staged"))
+        if not isinstance(stage, gloo.Staging):
+            return self._weightsync_outcome(RuntimeError("no gloo stream is staged"))
         try:
             pairs = stage.wait(float(timeout_s))
             check_loadable(pairs, self._weightsync_known_facts().weights)
@@ -260,8 +300,11 @@ class WeightsyncWorker:
         return outcome.to_json()
 
     def weightsync_drop_staged(self) -> dict:
-        """Drop what is staged, uncommitted (the trainer's sync failed before its commit)."""
+        """Drop what is staged, uncommitted (the trainer's sync failed before its commit), and
+        the mappings of sealed files (the trainer lets those go: its next files are fresh)."""
         self._weightsync_drop_stage()
+        if self._weightsync_sealed is not None:
+            self._weightsync_sealed.forget()
         return self._weightsync_outcome()
 
     def weightsync_staged_bytes(self) -> dict:

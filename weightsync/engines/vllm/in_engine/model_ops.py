@@ -34,9 +34,9 @@ from ....errors import (
     WeightSyncError,
 )
 from ....wire import format as fmt
-from ....wire import gloo
 from ....wire.checkpoint_names import checkpoint_shapes
 from ....wire.protocol import RELOAD_REPORT, EngineFacts, LoraLimits, Outcome, Quantization
+from ....wire.stage import Held
 from . import checkpoint as ckpt
 from .heap import keep_freed_memory
 from .ledger import kv_cache_awake, worker_of
@@ -200,8 +200,8 @@ def check_loadable(
             )
 
 
-def claim_staged(stage: gloo.Staging | None) -> list[tuple[str, torch.Tensor]]:
-    """The pairs ``stage`` holds, claimed for the commit that loads them (`gloo.Staging.claim`:
+def claim_staged(stage: Held | None) -> list[tuple[str, torch.Tensor]]:
+    """The pairs ``stage`` holds, claimed for the commit that loads them (`Held.claim`:
     they no longer expire) -- on every worker of the engine or on none. Each worker's stage
     expires by its own clock (``WEIGHTSYNC_STAGE_EXPIRY_S``), so a commit that comes as they
     expire could find one TP rank's stage claimed and another's dropped: loaded, that would be

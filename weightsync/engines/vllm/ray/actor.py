@@ -26,8 +26,8 @@ from ....errors import BytesRejectedError, StageLostError, WeightSyncError
 from ....wire import format as fmt
 from ....wire import scratch
 from ....wire.delta import LoadedCopies
-from ....wire.gloo import DEFAULT_STAGE_EXPIRY_S, STAGE_EXPIRY_ENV, stage_expiry_s
 from ....wire.protocol import EngineFacts, Outcome
+from ....wire.stage import DEFAULT_STAGE_EXPIRY_S, STAGE_EXPIRY_ENV, stage_expiry_s
 from ....wire.stream import Checker, Kind
 from ....wire.tags import check
 from ..asyncllm import AsyncLLMControl
@@ -87,7 +87,7 @@ def actor_llm(model: str, **options: Any) -> Any:
     """A ``vllm.LLM`` for a Ray actor that `WeightsyncActor` serves by reference: weightsync's
     worker extension, and the engine core in this process, so the bytes go from Ray's shared
     memory into the parameters with no second hop (docs/ray.md; engines whose workers are
-    other processes are served through a RAM folder instead).
+    other processes are served through sealed RAM files instead).
 
     Raises:
         RuntimeError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than ``0``.
@@ -130,7 +130,7 @@ class _EngineSide:
 
         A stage the trainer does not commit within ``WEIGHTSYNC_STAGE_EXPIRY_S`` seconds of its
         end (the actor's environment; default `DEFAULT_STAGE_EXPIRY_S`) is dropped -- its bytes,
-        its RAM folder -- and its commit refused with nothing loaded: a trainer that died
+        its RAM files -- and its commit refused with nothing loaded: a trainer that died
         between its stage and its commit holds nothing here for longer (docs/ray.md).
 
         Raises:
@@ -303,9 +303,9 @@ class _EngineSide:
         stage: str,
     ) -> _Stage:
         """Stage checked buckets for workers in other processes (a multiprocess engine core,
-        tensor parallel workers, an ``AsyncLLM``): files in a fresh RAM folder on this node
+        tensor parallel workers, an ``AsyncLLM``): fresh sealed RAM files on this node
         (`TmpfsTransport.prepare`, written as the frames come, tagged anew for the workers,
-        which check them before loading any), removed when the stage is dropped.
+        which check them before loading any), let go when the stage is dropped.
 
         The one copy on this side is the files' write, from views of the object store; the
         workers load views of their mappings of the files. It stays a copy: vLLM starts such
@@ -414,7 +414,7 @@ class _EngineSide:
             self._weightsync_release(stage, why)
 
     def _weightsync_release(self, stage: _Stage, why: str) -> None:
-        """Let an uncommitted stage go (the lock held): its bytes (and RAM folder) freed, the
+        """Let an uncommitted stage go (the lock held): its bytes (and RAM files) freed, the
         kept copies it patched dropped, and ``why`` kept for its commit's error."""
         self._weightsync_gone = (stage.id, why)
         stage.drop()
@@ -556,7 +556,7 @@ class WeightsyncActor(_EngineSide):
     buckets, receive an adapter, drop the adapter folders) itself, and a whole commit in one
     call (``"commit"``: `control.run_commit` here, so nothing of it waits on the trainer). With the engine core in this
     process (`actor_llm`) the bytes reach the worker by reference; otherwise (tensor parallel)
-    through a RAM folder on this node.
+    through sealed RAM files on this node.
     """
 
     def weightsync_call(self, call: str, *args: Any) -> Any:
@@ -581,7 +581,7 @@ class AsyncWeightsyncActor(_EngineSide):
 
     ``weightsync_call`` is a coroutine, so Ray runs the actor's calls on one event loop, the
     ``AsyncLLM``'s: each call runs in a worker thread (a stage is long and blocking: the
-    buckets are fetched from the store, checked and written to a RAM folder there) and the
+    buckets are fetched from the store, checked and written to sealed RAM files there) and the
     ``AsyncLLM`` calls it makes are scheduled back onto the loop (`AsyncLLMControl`), so the
     framework's generations go on while a sync stages, until the commit pauses them with
     ``mode="keep"`` (requests frozen, recomputed under the new weights after it): the pause

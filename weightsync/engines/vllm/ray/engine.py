@@ -173,7 +173,7 @@ class RayObjectStoreTransport(Transport):
             in the object store -- once on the trainer's node, once more on the actor's node
             when it is another -- for an engine loaded by reference (`actor_llm`); for one whose
             workers are other processes (tensor parallel, an ``AsyncLLM``), the same bytes in a
-            RAM folder on the actor's node instead, the store's copies let go once staged.
+            sealed RAM files on the actor's node instead, the store's copies let go once staged.
 
     Raises:
         ValueError: ``delta`` without ``tagged``; ``piece_bytes`` or ``max_stage_bytes`` not

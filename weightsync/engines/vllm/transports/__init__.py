@@ -8,7 +8,7 @@ workers get) times a carrier (how the bytes travel):
 
 | transport | calls | carrier |
 |---|---|---|
-| `TmpfsTransport` | worker extension | files in a RAM folder (kept between syncs, or fresh) |
+| `TmpfsTransport` | worker extension | sealed memory files, or files in a RAM folder (kept between syncs, or fresh) |
 | `GlooTransport` | worker extension | a gloo group, trainer rank 0 (any host) |
 | `WeightTransferFiles`, `WeightTransferGloo` | vLLM's weight-transfer API, ``"weightsync"`` backend | files; a gloo group |
 

@@ -1,31 +1,46 @@
-"""Buckets as safetensors files in a RAM folder the workers map and load (``wire.files``): the
-default transport where the trainer and the engine share a host."""
+"""Buckets as sealed memory files the workers map, check while the engine serves, and load in
+the commit (``wire.files``): the default transport where the trainer and the engine share a
+host. Where the workers cannot open the trainer's files (another PID namespace), files in a RAM
+folder instead, checked inside the commit."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .... import timing
 from ....plan import Bucket
 from ....wire.files import KeptFiles, Written, write_folder
+from ....wire.protocol import raise_failures
 from ....wire.scratch import private_dir, scratch_dir
 from ....wire.tags import Signer
 from .base import Rpc, Staged, StagedCalls, Transport, proof_args, signer_for
+
+logger = logging.getLogger(__name__)
 
 
 def _serializing() -> Any:
     return timing.span("serialize")
 
 
-#: The workers' check and load of a sync's files.
+#: The workers' check and load of a sync's files in a folder, inside the commit.
 LOAD = "weightsync_load_files"
+#: The workers' stage of sealed files (checked while the engine serves) and its commit.
+STAGE, COMMIT = "weightsync_stage_files", "weightsync_commit_staged"
 
 
 class TmpfsTransport(Transport):
-    """Buckets as safetensors files in a RAM folder the workers can read (``wire.files``).
+    """Buckets as files in memory the engine's workers map (``wire.files``).
+
+    By default sealed memory files, which the workers check while the engine serves (the
+    commit only loads them). `connect` asks the workers to open one first; a worker that
+    cannot (another PID namespace) puts the transport on files in ``root`` for good, checked
+    inside the commit, with a warning. Naming ``root`` asks for files there from the start.
 
     Args:
         root: a folder the engine's workers can read at the same path; defaults to a fresh
@@ -33,8 +48,8 @@ class TmpfsTransport(Transport):
             next weightsync process after a crash).
         keep: keep the files (and both sides' mappings of them) between syncs and rewrite them
             in place: RAM for one copy of the weights stays taken between syncs, and a sync
-            costs about half (``docs/benchmarks.md``). False writes a fresh folder per sync and
-            removes it after.
+            costs about half (``docs/benchmarks.md``). False writes fresh files per sync and
+            lets them go after.
         tagged: tag every file (``wire.tags``); the workers check them all before loading any.
 
     Raises:
@@ -50,8 +65,34 @@ class TmpfsTransport(Transport):
         self._owned = root is None
         self.root = private_dir(root) if root is not None else scratch_dir(self, "tmpfs")
         self.tagged = tagged
+        self.keep = keep
+        #: sealed memory files (else files in `root`)
+        self.sealed = root is None
         self._updates = 0
-        self._kept = KeptFiles(self.root / "kept") if keep else None
+        self._kept = KeptFiles(None if self.sealed else self.root / "kept") if keep else None
+        self._staged = False  # a stage of sealed files not yet committed, dropped or discarded
+
+    def connect(self, rpc: Rpc, world_size: int) -> None:
+        """Check that every worker can open this process's sealed files; if one cannot, use
+        files in `root` from now on (warned)."""
+        if not self.sealed:
+            return
+        probe = KeptFiles()
+        try:
+            written = probe.write([[("probe", torch.zeros(1))]])
+            rpc("weightsync_open_sealed", {"files": written.names})
+        except Exception as e:  # noqa: BLE001 (the folder works wherever the workers see it)
+            logger.warning(
+                "weightsync: the engine's workers cannot open this process's sealed files "
+                "(%s); bucket files go through %s instead, checked inside the commit",
+                e,
+                self.root,
+            )
+            self.sealed = False
+            if self._kept is not None:
+                self._kept = KeptFiles(self.root / "kept")
+        finally:
+            probe.close()
 
     def send(self, rpc: Rpc, buckets: Iterable[Bucket]) -> None:
         staged = self.prepare(rpc, buckets)
@@ -61,12 +102,15 @@ class TmpfsTransport(Transport):
             staged.drop()
 
     def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
-        """Write (and tag) every bucket's file now, while the engine serves; the apply is one
-        call, the workers' check of every tag and their load of the files. A trainer that
-        fails or dies while writing leaves the engine untouched and never paused (its files
-        are swept with its scratch folder); a failure while writing kept files removes them
-        (they hold part of a sync nobody will load), as does the stage's `Staged.discard`."""
+        """Sealed files: see `_prepare_sealed`. Files in a folder: write (and tag) every
+        bucket's file now, while the engine serves; the apply is one call, the workers' check
+        of every tag and their load of the files. A trainer that fails or dies while writing
+        leaves the engine untouched and never paused (its files are swept with its scratch
+        folder); a failure while writing kept files removes them (they hold part of a sync
+        nobody will load), as does the stage's `Staged.discard`."""
         signer = signer_for(self.tagged)
+        if self.sealed:
+            return self._prepare_sealed(rpc, buckets, signer)
         if self._kept is not None:
             try:
                 written = self._kept.write(buckets, around=_serializing, signer=signer)
@@ -79,6 +123,49 @@ class TmpfsTransport(Transport):
         folder, written = self.stage(buckets, signer=signer)
         fresh = {"folder": str(folder)} | proof_args(signer, written.tags)
         return StagedCalls(rpc, [(LOAD, fresh)], lambda: shutil.rmtree(folder, ignore_errors=True))
+
+    def _prepare_sealed(self, rpc: Rpc, buckets: Iterable[Bucket], signer: Signer | None) -> Staged:
+        """Write (and tag) every bucket's sealed file, then have every worker stage them
+        (``weightsync_stage_files``: mapped, every tag and name checked) while the engine
+        serves; the apply is the workers' commit of what they staged. Any failure here leaves
+        the engine untouched and never paused. Files that were written but not committed are
+        let go (a failed write's, a refused stage's, a discarded one's): the next sync writes
+        fresh ones. The kept files are rewritten only once the previous stage was committed,
+        dropped or discarded: the trainer's mapping is their one writer, and a stage must not
+        change under its check."""
+        if self._staged:
+            raise RuntimeError(
+                "TmpfsTransport: the previous stage was neither applied, dropped nor "
+                "discarded; its files cannot be rewritten under it"
+            )
+        files = self._kept if self._kept is not None else KeptFiles()
+        committed: list[bool] = []
+
+        def release() -> None:
+            files.close()
+            if files is self._kept:
+                self._kept = KeptFiles()
+
+        def drop() -> None:  # always called, applied or not
+            self._staged = False
+            if not committed:
+                try:
+                    rpc("weightsync_drop_staged", {})
+                except Exception:
+                    logger.warning("weightsync: weightsync_drop_staged failed", exc_info=True)
+            if not committed or not self.keep:
+                release()
+
+        try:
+            written = files.write(buckets, around=_serializing, signer=signer)
+            self._staged = True
+            kwargs = {"files": written.names, "keep": self.keep} | proof_args(signer, written.tags)
+            # raised here whatever ``rpc`` does with failures (a Ray actor's hop returns them)
+            raise_failures(STAGE, rpc(STAGE, kwargs))
+        except BaseException:
+            drop()
+            raise
+        return StagedCalls(rpc, [(COMMIT, {})], drop, applied=lambda: committed.append(True))
 
     def stage(
         self, buckets: Iterable[Bucket], *, aliases: bool = True, signer: Signer | None = None
@@ -98,14 +185,15 @@ class TmpfsTransport(Transport):
         return folder, written
 
     def _discard_kept(self) -> None:
-        """Remove the kept files (the next sync writes them anew)."""
-        if self._kept is not None:
+        """Remove the kept files in `root` (the next sync writes them anew)."""
+        if self._kept is not None and self._kept.folder is not None:
             self._kept.close()
             shutil.rmtree(self._kept.folder, ignore_errors=True)
 
     def close(self) -> None:
         if self._kept is not None:
             self._kept.close()
-            shutil.rmtree(self._kept.folder, ignore_errors=True)
+            if self._kept.folder is not None:
+                shutil.rmtree(self._kept.folder, ignore_errors=True)
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
