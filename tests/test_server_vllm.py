@@ -473,6 +473,8 @@ def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers
     other.sleep(2)
     other.wake_up(None)
     assert not engine.asleep and engine.sleep_level == 2 and engine.base_discarded
+    # The adapter loaded on the discarded base is no longer named, as in process.
+    assert engine.served_adapter is None and engine.resident_adapters == {}
     assert syncer.choose().label == "FullSync(lora=separate)"
     with pytest.raises(BaseDiscardedError):
         AdapterSync().sync(model, engine)
@@ -480,6 +482,7 @@ def test_a_level_2_sleep_by_another_client_already_over_is_seen(engines, servers
     T.perturb(model, seed=46, scale=0.3)
     report = sync_and_check(syncer, model, engine)
     assert report.strategy == "FullSync(lora=separate)" and engine.sleep_level == 0
+    assert engine.served_adapter is not None
 
 
 # --- several engines at once -----------------------------------------------------------------

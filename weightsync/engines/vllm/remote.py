@@ -201,20 +201,30 @@ class RemoteVLLMEngine(Engine):
     @property
     def served_adapter(self) -> str | None:
         """The name requests must use as ``model`` to get the synced adapter, its newest
-        version (None: none)."""
-        return self._served
+        version (None: none, or the base may be gone since it was loaded: as in process, a
+        name kept from before a level-2 sleep must not come back; the server keeps the names
+        loaded until the base restore unloads them)."""
+        return self._served if self._served is not None and self._adapters_stand() else None
 
     @property
     def adapter_version(self) -> int | None:
         """The version of the served adapter (adapter loads counted by this engine adapter;
         the key of `resident_adapters`); None: none."""
-        return self._resident[-1][0] if self._served is not None and self._resident else None
+        return self._resident[-1][0] if self.served_adapter is not None and self._resident else None
 
     @property
     def resident_adapters(self) -> dict[int, str]:
         """The name of each adapter version kept loaded (see ``adapter_versions``), by
-        version, oldest first."""
-        return dict(self._resident)
+        version, oldest first; empty as `served_adapter` is None."""
+        return dict(self._resident) if self._resident and self._adapters_stand() else {}
+
+    def _adapters_stand(self) -> bool:
+        """Whether the adapters loaded still sit on the base they were loaded on: nothing
+        harmed the base since the last base restore (an attestation: one call to the engine).
+        An engine that attests no epoch (a stock server) counts its base as lost at any time,
+        which says nothing about an adapter loaded right after a base restore: its names stand."""
+        now = self.attest()
+        return now.harm < 2 or now.epoch is None
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -498,10 +508,10 @@ class RemoteVLLMEngine(Engine):
     def greedy_batch(
         self, prompts: list[list[int]], max_tokens: int
     ) -> list[tuple[list[int], list[float]]]:
-        return self.control.generate(prompts, max_tokens, self._served)
+        return self.control.generate(prompts, max_tokens, self.served_adapter)
 
     def score_batch(self, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
-        return self.control.score(prompts, top_k, self._served)
+        return self.control.score(prompts, top_k, self.served_adapter)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
