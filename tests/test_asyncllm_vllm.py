@@ -93,11 +93,20 @@ def test_someone_elses_sleep_and_write_move_the_version(loop, async_llm, engine)
     synced = syncer.sync(model).weights_version
     assert syncer.choose().name == "AdapterSync"
 
+    async def admitting() -> Any:  # a rollout coroutine on the loop reads it as it admits
+        return engine.lora_request
+
+    served = engine.lora_request
+    assert served is not None and on(loop, admitting()) == served
     on(loop, async_llm.sleep(level=2))
     assert engine.asleep and engine.weights_version != synced
     on(loop, async_llm.wake_up())
     slept = engine.weights_version
     assert slept != synced and engine.sleep_level == 2
+    # Attested from this thread: no adapter named on the discarded base. On the loop, where
+    # the workers cannot be asked and waited for, the read answers from what this adapter knows.
+    assert engine.lora_request is None
+    on(loop, admitting())
     assert syncer.choose().label == "FullSync(lora=separate)"
     discard(engine)  # what the level-2 sleep does on a GPU
     T.perturb(model, seed=6, scale=0.3)

@@ -93,11 +93,7 @@ class AsyncLLMControl(Control):
             EngineUnavailableError: the engine core died, the loop is closed, or no answer
                 within ``timeout_s``.
         """
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:  # no loop runs in this thread: fine
-            here = None
-        if here is self.loop:
+        if self.on_loop():
             raise RuntimeError(
                 "a synchronous weightsync call on the AsyncLLM's own event loop would "
                 "block the loop that must run it: from a coroutine on that loop use "
@@ -122,6 +118,13 @@ class AsyncLLMControl(Control):
                     f"the AsyncLLM did not answer within {self.timeout_s:g} s (its event loop "
                     "blocked, or its engine core hung); nothing more was sent to it"
                 ) from err
+
+    def on_loop(self) -> bool:
+        """Whether the caller runs on the AsyncLLM's own event loop, where `_run` cannot wait."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop runs in this thread
+            return False
 
     @contextlib.contextmanager
     def _answering(self) -> Iterator[None]:
@@ -264,6 +267,14 @@ class AsyncLLMEngine(RemoteVLLMEngine):
     def lora_request(self) -> Any:
         """The ``LoRARequest`` to generate with the synced adapter (None: no adapter served)."""
         return self.control.lora_request(self.served_adapter)
+
+    def _adapters_stand(self) -> bool:
+        """A rollout coroutine on the AsyncLLM's own loop reads `lora_request` while admitting
+        requests, where the workers cannot be asked and waited for: there, the adapters stand
+        unless a level-2 sleep was made or reported through this adapter."""
+        if self.control.on_loop():
+            return self._known_harm < 2
+        return super()._adapters_stand()
 
     @property
     def adapter_requests(self) -> dict[int, Any]:
