@@ -195,6 +195,38 @@ def test_no_other_process_writes_a_sealed_file_and_the_trainers_change_is_caught
         MappedFiles().read("", written.names, signer.key_hex, written.tags, sealed=True)
 
 
+READER = """
+import sys
+from weightsync.wire.files import MappedFiles
+try:
+    MappedFiles().read("", [sys.argv[1]], sys.argv[2], [sys.argv[3]], sealed=True)
+    print("read")
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_reader_in_another_pid_namespace_cannot_open_the_sealed_files(sealed):
+    """What `TmpfsTransport.connect`'s probe meets when the engine runs in a PID namespace of
+    its own (a container): the ``/proc`` path the trainer names is no process there (or,
+    with small PIDs on both sides, another one, whose file fails the probe's tag), so the
+    transport goes to files in a folder. The same reader in the trainer's namespace reads it."""
+    signer = Signer()
+    written = sealed.write(buckets(0), signer=signer)
+    reader = [sys.executable, "-c", READER, written.names[0], signer.key_hex, written.tags[0]]
+    here = subprocess.run(reader, capture_output=True, text=True, check=True, timeout=120)
+    assert here.stdout.strip() == "read"
+    own = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *reader]
+    try:
+        there = subprocess.run(own, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) on this machine")
+    if there.returncode != 0 and "unshare failed" in there.stderr:
+        pytest.skip(f"this user cannot create a PID namespace: {there.stderr.strip()}")
+    assert there.returncode == 0, there.stderr
+    assert there.stdout.startswith("FileNotFoundError"), there.stdout
+
+
 def test_a_file_that_is_not_sealed_is_refused_as_sealed(kept):
     """A reader told the files are sealed refuses one that is not: whoever can write it could
     change it between the workers' check and the commit."""

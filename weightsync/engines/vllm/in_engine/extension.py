@@ -155,11 +155,13 @@ class WeightsyncWorker:
         self._weightsync_stage = stage
         return self._weightsync_outcome(value=len(files))
 
-    def weightsync_open_sealed(self, files: list[str]) -> dict:
-        """Map the trainer's sealed files ``files`` and let them go: whether this worker can
-        open its trainer's files at all (``TmpfsTransport.connect``)."""
+    def weightsync_open_sealed(
+        self, files: list[str], key: str = "", tags: list[str] | None = None
+    ) -> dict:
+        """Map the trainer's sealed files ``files``, check their tags, and let them go: whether
+        this worker can open its trainer's files at all (``TmpfsTransport.connect``)."""
         try:
-            list(MappedFiles().read("", files, sealed=True))
+            list(MappedFiles().read("", files, key, tags, sealed=True))
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             return self._weightsync_outcome(e)
         return self._weightsync_outcome()

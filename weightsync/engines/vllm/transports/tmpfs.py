@@ -74,13 +74,18 @@ class TmpfsTransport(Transport):
 
     def connect(self, rpc: Rpc, world_size: int) -> None:
         """Check that every worker can open this process's sealed files; if one cannot, use
-        files in `root` from now on (warned)."""
+        files in `root` from now on (warned). The probe is tagged: a worker in another PID
+        namespace may find another process under this one's PID, and must not take its file
+        for the probe."""
         if not self.sealed:
             return
-        probe = KeptFiles()
+        probe, signer = KeptFiles(), Signer()
         try:
-            written = probe.write([[("probe", torch.zeros(1))]])
-            rpc("weightsync_open_sealed", {"files": written.names})
+            written = probe.write([[("probe", torch.zeros(1))]], signer=signer)
+            rpc(
+                "weightsync_open_sealed",
+                {"files": written.names} | proof_args(signer, written.tags),
+            )
         except Exception as e:  # noqa: BLE001 (the folder works wherever the workers see it)
             logger.warning(
                 "weightsync: the engine's workers cannot open this process's sealed files "
