@@ -217,10 +217,10 @@ class Phys:
         """The engine's greedy tokens with no adapter named: what it serves once weightsync
         stops naming the adapter it loaded."""
         try:
-            if self.kind == "server":
-                out = self.adapter.control.generate(T.PROMPTS, MAX_TOKENS, None)
-            else:
+            if self.kind == "inproc":
                 out = greedy_generate(self.adapter.llm_engine, T.PROMPTS, MAX_TOKENS, None)
+            else:  # a server, or a multiprocess LLM: through its control
+                out = self.adapter.control.generate(T.PROMPTS, MAX_TOKENS, None)
             return [tokens for tokens, _ in out]
         except Exception as e:  # noqa: BLE001 -- compared, not hidden
             self.abort_left()
@@ -963,9 +963,9 @@ class Walk:
 
     def check_unchanged(self, before: dict, why: str) -> None:
         """Every engine generates what it did before the sync; one whose adapter weightsync
-        stopped naming across a level-2 sleep (an in-process engine: the sleep may have
-        discarded the adapter's memory, docs/failure-modes.md row 1) generates what its
-        weights did without the adapter before the sleep (vLLM-CPU's sleep keeps them)."""
+        stopped naming across a level-2 sleep (the sleep may have discarded the adapter's
+        memory, docs/failure-modes.md row 1) generates what its weights did without the
+        adapter before the sleep (vLLM-CPU's sleep keeps them)."""
         for p in self.phys:
             after = p.generate()
             expected = before[p.name]
@@ -1058,6 +1058,13 @@ FOUND_FAULTS = [
         True,
         "inproc/served: a refused sync after a level-2 split sleep was blamed for the adapter "
         "weightsync stopped naming at that sleep (this file's check, not the library)",
+    ),
+    (
+        629,
+        3,
+        True,
+        "multiproc/served: once a multiprocess LLM too stopped naming its adapter after a "
+        "level-2 sleep, this file's check generated without it through an in-process path",
     ),
 ]
 
