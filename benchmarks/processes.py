@@ -26,12 +26,26 @@ _SHM = Path("/dev/shm")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
+    """A free TCP port that, for the next minute, only a socket with ``SO_REUSEADDR`` can bind:
+    vLLM's API server and torch's TCPStore (gloo's ``tcp://``, torchrun's master port) set it.
+
+    A port merely free when picked is free only until the OS picks it for someone else: a
+    server takes tens of seconds to bind its port, the processes starting beside it (in-process
+    engines, TP workers, gloo groups) bind ports the OS picks, and one took a server's port in a
+    CI run. Here the port is left with a connection in TIME_WAIT (Linux's 60 s), which the OS's
+    own picks skip and a ``SO_REUSEADDR`` bind passes."""
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(1)
+        address = listener.getsockname()
+        with socket.socket() as client:
+            client.connect(address)
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its end is the one in TIME_WAIT
+        return int(address[1])
 
 
 def stretched(seconds: float) -> float:
@@ -158,11 +172,9 @@ class VLLMServer:
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 420.0,
     ) -> None:
-        import subprocess
         import sys
 
         self.tp = tp
-        self.port = free_port()
         #: A folder of its own for vLLM's ZMQ ``ipc://`` socket files, which vLLM leaves behind
         #: when it stops; removed by `join`. None where this process's environment names one
         #: (``VLLM_RPC_BASE_PATH``: a test run's, removed by tests/conftest.py): a socket's path
@@ -172,7 +184,6 @@ class VLLMServer:
             if os.environ.get("VLLM_RPC_BASE_PATH")
             else tempfile.mkdtemp(prefix="weightsync-rpc-")
         )
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         self.start_timeout_s = start_timeout_s
         #: vLLM's own shutdown bounds, scaled to the load at start: upper bounds, waited only as
@@ -196,9 +207,10 @@ class VLLMServer:
         environ.update(env or {})
         # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (GiB) would override --kv-cache-memory-bytes.
         environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        cmd = [
+        self._environ = environ
+        self._cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # vllm-cpu's script is broken
-            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", model, "--host", "127.0.0.1",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
             "--dtype", dtype, "--seed", "0", "--tensor-parallel-size", str(tp),
             "--kv-cache-memory-bytes", str(kv_cache_bytes),
@@ -207,15 +219,23 @@ class VLLMServer:
             *(["--middleware", LEASE_MIDDLEWARE] if extension and lease else []),
             *args,
         ]  # fmt: skip
+        self.procs: dict[int, Any] = {}  # psutil handles of its processes, taken while up
+        self.shm: set[str] = set()  # the /dev/shm entries they mapped
+        self._start()
+
+    def _start(self) -> None:
+        """Start the API server on a `free_port`."""
+        import subprocess
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            cmd,
-            env=environ,
+            [*self._cmd, "--port", str(self.port)],
+            env=self._environ,
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C on the test run reaches us, not the server
         )
-        self.procs: dict[int, Any] = {}  # psutil handles of its processes, taken while up
-        self.shm: set[str] = set()  # the /dev/shm entries they mapped
 
     def wait(self) -> None:
         """Wait until ``/health`` answers; raise (with the log's tail) if it exits or times out."""
@@ -224,8 +244,13 @@ class VLLMServer:
         import requests
 
         deadline = time.monotonic() + self.start_timeout_s
+        restarts = 2  # a port taken all the same (a start slower than the reservation's minute)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if restarts and "Address already in use" in self.tail():
+                    restarts -= 1
+                    self._start()
+                    continue
                 raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:

@@ -165,3 +165,31 @@ def test_outputs_written(result):
     md = Path(result["paths"]["markdown"]).read_text()
     for row in result["rows"]:
         assert row["label"] in md
+
+
+def test_a_free_port_is_skipped_by_the_os_and_bound_by_the_server():
+    """`free_port` (the port a ``vllm serve`` of ours or a gloo group is started on): the OS's
+    own picks of a port skip it while the server starts, and a ``SO_REUSEADDR`` bind (vLLM's,
+    torch's TCPStore's) takes it."""
+    import errno
+    import socket
+
+    from benchmarks.processes import free_port
+
+    port = free_port()
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", port))  # what a process starting beside the server does
+    assert taken.value.errno == errno.EADDRINUSE
+    picked = []
+    try:
+        for _ in range(500):
+            picked.append(socket.socket())
+            picked[-1].bind(("127.0.0.1", 0))
+        assert port not in {s.getsockname()[1] for s in picked}
+    finally:
+        for s in picked:
+            s.close()
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen(1)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.processes import free_port
 from weightsync import testing
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -33,12 +33,6 @@ CASES = [
 TIMEOUT = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_fsdp2_two_ranks_sync_into_vllm_on_rank_0(tmp_path):
     checkpoint = testing.save_checkpoint(testing.tiny_model("qwen2", seed=0), tmp_path / "ckpt")
@@ -50,7 +44,7 @@ def test_fsdp2_two_ranks_sync_into_vllm_on_rank_0(tmp_path):
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(WORKER),
         checkpoint,
     ]
