@@ -14,8 +14,10 @@ subclasses. docs/engine-contract.md walks through a minimal adapter.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -24,7 +26,7 @@ import torch
 from ..plan import Adapter, Bucket
 from ..wire.protocol import EngineFacts
 
-__all__ = ["Attestation", "EngineContract", "EngineFacts", "Staged"]
+__all__ = ["FANOUT", "Attestation", "EngineContract", "EngineFacts", "FanOut", "Staged"]
 
 
 class Staged:
@@ -45,6 +47,36 @@ class Staged:
         self.apply = apply
         self.drop = drop
         self.discard = discard or drop
+
+
+class FanOut:
+    """One sync staged on several engines at once (`weightsync.engines.replicas.Replicas`):
+    what one engine's transport made of a piece for its carrier, another's may take instead of
+    making it again -- for a Ray actor, the object its put wrote into the store, so a fan-out
+    to N actors puts the synced bytes once, not N times. It lives for the stage of one sync
+    (`FANOUT` names it in each replica's thread) and holds what it made until then.
+
+    A piece is keyed by the names, storage and version of its tensors: within one sync every
+    name comes once and a produced tensor is not changed, so the same key is the same bytes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: dict[Hashable, tuple[threading.Lock, list[Any]]] = {}
+
+    def once(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``'s result for ``key``: made by the first caller (the others wait for it),
+        made again by a caller after a failed make."""
+        with self._lock:
+            lock, made = self._made.setdefault(key, (threading.Lock(), []))
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+
+#: The fan-out a transport's stage runs in (None: one engine alone); set by `Replicas`.
+FANOUT: ContextVar[FanOut | None] = ContextVar("weightsync_fanout", default=None)
 
 
 @dataclass(frozen=True)

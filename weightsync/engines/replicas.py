@@ -13,7 +13,7 @@ import torch
 from ..errors import ReplicasSplitError, WeightSyncError, untouched
 from ..plan import Adapter, Bucket
 from .base import CHECKPOINT, Attestation, Engine, EngineFacts, adapt
-from .contract import Staged
+from .contract import FANOUT, FanOut, Staged
 
 
 class _Abort(Exception):
@@ -23,6 +23,15 @@ class _Abort(Exception):
 def _held(engine: Engine, buckets: list[Bucket]) -> Staged:
     """The stage of a replica that cannot stage: the buckets held in this process."""
     return Staged(lambda: engine.load_weights(buckets))
+
+
+def _staged_in(fanout: FanOut, engine: Engine, buckets: Iterable[Bucket]) -> Staged:
+    """``engine.stage_weights(buckets)`` in ``fanout`` (its transport may share what it puts)."""
+    token = FANOUT.set(fanout)
+    try:
+        return engine.stage_weights(buckets)
+    finally:
+        FANOUT.reset(token)
 
 
 def _joined(versions: Iterable[str | None]) -> str | None:
@@ -40,7 +49,8 @@ class Replicas(Engine):
     and handed to every replica, which *stages* it while it keeps serving (`Engine.stage_weights`:
     over tmpfs every file written and tagged, over gloo every frame received by the workers'
     stages, for a Ray actor every piece fetched from the object store and checked by the actor;
-    one thread per replica, at most two buckets in flight each); a replica that cannot
+    one thread per replica, at most two buckets in flight each; Ray actors share each piece's
+    put, `FanOut`); a replica that cannot
     stage (an in-process engine, a streaming transport: ``GlooTransport(stage=False)``, the
     weight-transfer API) gets the stream held in this process instead (one copy of the synced
     bytes, shared by all such replicas), loaded at the commit. Only when every replica staged
@@ -140,11 +150,12 @@ class Replicas(Engine):
                     raise item
                 yield item
 
+        fanout = FanOut()  # a Ray actor's pieces put once for all of them
         with ThreadPoolExecutor(
             max(1, len(stagers)), thread_name_prefix="weightsync-replica"
         ) as pool:
             futures = [
-                pool.submit(e.stage_weights, stream(q))
+                pool.submit(_staged_in, fanout, e, stream(q))
                 for e, q in zip(stagers, queues, strict=True)
             ]
 

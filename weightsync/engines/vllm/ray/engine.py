@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from ....wire.delta import WireCount
 from ....wire.stream import Kind
 from ....wire.tags import Signer
 from ...base import instance_of, register
-from ...contract import Staged
+from ...contract import FANOUT, Staged
 from ..control import Commit, Committed, Control
 from ..remote import RemoteVLLMEngine
 from ..transports import Rpc, Transport
@@ -268,6 +269,7 @@ class RayObjectStoreTransport(Transport):
         key = signer.key_hex if signer else ""
         start = {"channel": channel, "key": key, "delta": sync_id, "stage": stage}
         refs: list[Any] = []  # held until the actor has staged them
+        fanout = FANOUT.get() if self._copies is None else None  # deltas: each actor's own
         put = 0
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-ray-stage") as pool:
             staging = pool.submit(rpc, STAGE, start)
@@ -286,8 +288,11 @@ class RayObjectStoreTransport(Transport):
                             )
                         # The one copy here: put writes each piece (a view of a tensor's
                         # own bytes, pickled out of band) straight into the store, after
-                        # which the tensors may change.
-                        refs.append(ray.put(parts))
+                        # which the tensors may change. In a fan-out, once for every actor.
+                        if fanout is None:
+                            refs.append(ray.put(parts))
+                        else:
+                            refs.append(fanout.once(_identity(piece), partial(ray.put, parts)))
                     _put(channel, (int(kind), refs[-1], tag))
                 else:
                     end = stream.end_tag(signer, len(refs)) if signer else ""
@@ -373,6 +378,13 @@ def _pieces(buckets: Iterable[Bucket], limit: int) -> Iterator[Bucket]:
             size += nbytes
         if piece:
             yield piece
+
+
+def _identity(piece: Bucket) -> Hashable:
+    """What says two replicas' pieces are the same bytes (`FanOut`)."""
+    return tuple(
+        (name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version) for name, t in piece
+    )
 
 
 def _put(channel: Any, entry: tuple) -> None:
