@@ -213,7 +213,7 @@ def test_a_sync_failing_before_its_load_leaves_the_old_weights(
     """Stage, then commit: a trainer failing part-way, a bucket the engine does not load and a
     bucket altered after it was tagged are refused before the first byte is loaded (over gloo
     before the engine is even paused): the server answers at once with exactly the old
-    weights, unfenced, and the next honest sync is exact."""
+    weights, unfenced, its workers attest no harm, and the next honest sync is exact."""
     if kind == "forged" and tp > 1:
         pytest.skip("the tag check is per worker: TP=1 proves it (CI time)")
     engine = engines(tp, inner)
@@ -228,6 +228,12 @@ def test_a_sync_failing_before_its_load_leaves_the_old_weights(
             engine.load_weights(bad_stream(new, engine, kind))
     assert servers[tp].alive(), servers[tp].tail()
     assert served(engine) == serving  # old weights, whole; not fenced
+    # ... and attested whole by the workers: the refused update's calls are no harm in their
+    # ledgers (over gloo the trainer adds none either: an adapter on that base stays named;
+    # over files it still marks the base lost after a refused commit, docs/failure-modes.md)
+    assert engine._attest(engine._restored_at).harm == 0
+    if inner == "gloo":
+        assert engine.attest().harm == 0
     sync_and_check(FullSync(), new, engine)
 
 

@@ -189,6 +189,10 @@ def _make_engine_class() -> type:
             #: at the first load, before any reload is pending.
             self._twins: list[list[tuple[str, torch.nn.Module]]] | None = None
             self._stage: gloo.Staging | None = None
+            #: Calls that wrote the model (a load, a finish's finalize, an abandon's restore):
+            #: the ledger counts a weight-transfer call whose update staged, checked or was
+            #: refused with nothing loaded as no harm (``ledger._WEIGHT_TRANSFER_CALLS``).
+            self.weightsync_touches = 0
             self._new_round()
 
         def _new_round(self) -> None:
@@ -298,6 +302,7 @@ def _make_engine_class() -> type:
                     )
                 )
             if self._reloading and not self._error:
+                self.weightsync_touches += 1
                 try:
                     finalize_layerwise_reload(self.model, self.model_config)
                     self._reloading = False
@@ -423,6 +428,7 @@ def _make_engine_class() -> type:
             )
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            self.weightsync_touches += 1
             if not self._reloading:
                 if self._twins is None:
                     self._twins = tied_modules(self.model)
@@ -452,6 +458,7 @@ def _make_engine_class() -> type:
             if not self._reloading:
                 return  # nothing was loaded: the old weights are whole
             self._written = sorted({*self._written, *finished_in(self.model)})
+            self.weightsync_touches += 1
             try:
                 abandon_layerwise_reload(self.model, self.model_config)
                 self._reloading = False

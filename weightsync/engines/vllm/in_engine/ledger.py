@@ -10,7 +10,10 @@ itself. Every call through which vLLM changes or may lose the weights advances t
 - harm 1: a level-1 sleep (weights offloaded to host memory and kept) or a wake;
 - harm 2: a level-2 sleep (weights discarded), any weight write or reload (``reload_weights``,
   ``load_model``, the weight-transfer API's ``update_weights`` / ``finish_weight_update``, the
-  model's own ``load_weights``), by anyone -- weightsync's own writes included.
+  model's own ``load_weights``), by anyone -- weightsync's own writes included. Not a call of
+  the weight-transfer API whose backend is weightsync's own and which wrote nothing (a stage,
+  a check, an update refused or aborted before its load): that backend counts its writes to the
+  model (``weightsync_touches``), so a refused sync leaves the epoch's harm as it was.
 
 Adapters do no harm to the base and leave the epoch alone, but each worker counts the adapter
 writes it sees (vLLM's ``add_lora``, by anyone -- a re-add with ``load_inplace=True`` replaces
@@ -61,6 +64,11 @@ _WORKER_METHODS = {
     "update_weights": 2,
     "finish_weight_update": 2,
 }
+
+
+#: The weight-transfer API's calls: a backend that counts its writes to the model
+#: (``weightsync_touches``: weightsync's own, ``backend.py``) says whether one wrote.
+_WEIGHT_TRANSFER_CALLS = frozenset({"update_weights", "finish_weight_update"})
 
 
 class Ledger:
@@ -235,15 +243,25 @@ def _wrap(owner: Any, method: str, ledger: Ledger, harm: int) -> None:
 
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
+        touches = _touches(owner, method)
         try:
             return original(*args, **kwargs)
         finally:  # a write that failed part-way did its harm too
-            ledger.record(harm)
+            if touches is None or _touches(owner, method) != touches:
+                ledger.record(harm)
             if method == "load_model":
                 _watch_model(owner, ledger)
 
     recorded._weightsync_ledger = ledger  # type: ignore[attr-defined]
     setattr(owner, method, recorded)
+
+
+def _touches(owner: Any, method: str) -> int | None:
+    """How many writes to the model the backend of ``owner``'s weight-transfer call counted
+    (None: not such a call, or a backend that does not count them: its calls are writes)."""
+    if method not in _WEIGHT_TRANSFER_CALLS:
+        return None
+    return getattr(getattr(owner, "weight_transfer_engine", None), "weightsync_touches", None)
 
 
 def _watch_model(owner: Any, ledger: Ledger) -> None:
