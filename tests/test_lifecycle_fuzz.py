@@ -651,6 +651,8 @@ class Walk:
                 options.append("none")
             report_how = self.rng.choice(options)
         if report_how == "mark":
+            if self.known_level == 2:  # every replica's adapter unnamed, slept or not
+                self.note_unadapted()
             self.engine.mark_asleep(self.known_level)
             self.engine.mark_awake()
         level_arg = self.known_level if report_how == "arg" else None
@@ -693,11 +695,7 @@ class Walk:
         level = self.split_rng.choice([1, 2])
         how = self.split_rng.choice(["adapter", "direct"])
         if level == 2:
-            self.unadapted = {
-                p.name: p.generate_unadapted()
-                for p in self.phys
-                if p.adapter.adapter_version is not None
-            }
+            self.note_unadapted()
         if how == "adapter":
             self.engine.sleep(level)
             self.engine.wake_up(["weights"])
@@ -712,6 +710,14 @@ class Walk:
         # what the engine served before it is still what a refused sync must leave.
         self.log(f"split wake: {line}; the KV cache sleeps through the sync")
         self.split = how
+
+    def note_unadapted(self) -> None:
+        """Before weightsync hears of a level-2 sleep: what each engine whose adapter it names
+        generates without the adapter, which a refused sync must leave once weightsync stops
+        naming it (`check_unchanged`)."""
+        for p in self.phys:
+            if p.name not in self.unadapted and p.adapter.adapter_version is not None:
+                self.unadapted[p.name] = p.generate_unadapted()
 
     def end_split(self) -> None:
         how, self.split = self.split, None
@@ -1050,12 +1056,14 @@ FOUND_FAULTS = [
         20,
         3,
         False,
+        "tmpfs",
         "server/served: a merged sync refused at its load had unloaded the served adapter",
     ),
     (
         302,
         8,
         True,
+        "tmpfs",
         "inproc/served: a refused sync after a level-2 split sleep was blamed for the adapter "
         "weightsync stopped naming at that sleep (this file's check, not the library)",
     ),
@@ -1063,8 +1071,26 @@ FOUND_FAULTS = [
         629,
         3,
         True,
+        "tmpfs",
         "multiproc/served: once a multiprocess LLM too stopped naming its adapter after a "
         "level-2 sleep, this file's check generated without it through an in-process path",
+    ),
+    (
+        800,
+        17,
+        True,
+        None,  # the seed's own carrier: vLLM's weight-transfer API over gloo
+        "server/served: a forged frame refused in the stage of an update through vLLM's "
+        "weight-transfer API logged harm 2 (the ledger counted every call of the API as a write), "
+        "so weightsync stopped naming the adapter the engine still served",
+    ),
+    (
+        827,
+        4,
+        True,
+        None,  # the seed's own carrier: vLLM's weight-transfer API, files
+        "replicas/served: the caller's mark_asleep(2) on Replicas unnamed every replica's "
+        "adapter, and this file's check compared the server's tokens with the adapter's",
     ),
 ]
 
@@ -1117,7 +1143,9 @@ def test_found_before(world, seed, steps, what):
 
 
 @pytest.mark.parametrize(
-    ("seed", "steps", "foreign", "what"), FOUND_FAULTS, ids=[str(f[0]) for f in FOUND_FAULTS]
+    ("seed", "steps", "foreign", "carrier", "what"),
+    FOUND_FAULTS,
+    ids=[str(f[0]) for f in FOUND_FAULTS],
 )
-def test_found_with_faults(world, seed, steps, foreign, what):
-    walk_and_check(world, seed, steps, faults=True, foreign=foreign, carrier="tmpfs")
+def test_found_with_faults(world, seed, steps, foreign, carrier, what):
+    walk_and_check(world, seed, steps, faults=True, foreign=foreign, carrier=carrier)
