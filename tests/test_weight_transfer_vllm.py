@@ -52,7 +52,7 @@ from lease_trainer import answered, kill_seeds, run, staged_bytes, watch_stage
 
 from benchmarks import processes
 from benchmarks.processes import VLLMServer
-from weightsync import FullSync
+from weightsync import FullSync, errors
 from weightsync import testing as T
 from weightsync.engines import (
     HTTPControl,
@@ -229,11 +229,33 @@ def test_a_sync_failing_before_its_load_leaves_the_old_weights(
     assert servers[tp].alive(), servers[tp].tail()
     assert served(engine) == serving  # old weights, whole; not fenced
     # ... and attested whole by the workers: the refused update's calls are no harm in their
-    # ledgers (over gloo the trainer adds none either: an adapter on that base stays named;
-    # over files it still marks the base lost after a refused commit, docs/failure-modes.md)
+    # ledgers; and by the trainer, for an update refused before the pause (an adapter on that
+    # base stays named). A rewritten file is refused by the tag check of the load, inside the
+    # pause, where the trainer no longer vouches for the base (docs/failure-modes.md row 66).
     assert engine._attest(engine._restored_at).harm == 0
-    if inner == "gloo":
+    if not (inner == "files" and kind == "forged"):
         assert engine.attest().harm == 0
+    sync_and_check(FullSync(), new, engine)
+
+
+def test_a_files_update_for_another_model_is_refused_before_the_pause(engines, monkeypatch):
+    """Over files the workers check every file's names and shapes while the engine serves,
+    before the trainer pauses it (or unloads a served adapter): an update naming a tensor the
+    engine does not load is refused there, the error says nothing reached the engine, and the
+    engine is attested whole. (The tags are checked in the pause, by the load.)"""
+    engine = engines(1, "files")
+    FullSync().sync(full_model(ARCH, seed=40), engine)
+    serving = served(engine)
+    pauses: list[str] = []
+    monkeypatch.setattr(engine.control, "pause", lambda: pauses.append("pause"))
+    new = full_model(ARCH, seed=42)
+    with pytest.raises(WeightMismatchError, match="not_a_weight") as refused:
+        engine.load_weights(bad_stream(new, engine, "engine"))
+    monkeypatch.undo()
+    assert errors.left_untouched(refused.value) and not pauses
+    assert served(engine) == serving
+    assert engine.attest().harm == 0
+    assert not list(engine.transport.root.glob("update-*"))  # the refused folder removed
     sync_and_check(FullSync(), new, engine)
 
 

@@ -506,6 +506,7 @@ READS = frozenset(
         "weightsync_facts",
         "weightsync_attest",
         "weightsync_check_files",
+        "weightsync_check_update",
         "weightsync_delta_state",
         "weightsync_delta_digests",
         "weightsync_staged_bytes",

@@ -182,6 +182,20 @@ class WeightsyncWorker:
             return self._weightsync_outcome(e)
         return self._weightsync_outcome()
 
+    def weightsync_check_update(self, folder: str, files: list[str]) -> dict:
+        """Check the files of an update through vLLM's weight-transfer API while the engine
+        serves, before the trainer pauses it: every tensor a weight this engine loads, at its
+        shape (the files' headers only). An update that names another model is refused before
+        anything is paused or unloaded. The tags are checked once, by the load in the pause,
+        on the mappings it loads from: a check here too would hash every byte twice (docs/failure-modes.md
+        row 66), and a file could still change after it."""
+        paths = [Path(folder) / name for name in files]
+        try:
+            check_loadable(backend.file_shapes(paths), self._weightsync_known_facts().weights)
+        except Exception as e:  # noqa: BLE001 (returned to the trainer)
+            return self._weightsync_outcome(e)
+        return self._weightsync_outcome()
+
     def weightsync_reload_checkpoint(self, path: str = "") -> dict:
         """Re-read a checkpoint folder (the one the engine started from when ``path`` is
         empty), the files vLLM's loader picks there, each tied tensor under every name, so

@@ -205,9 +205,10 @@ def _serializing() -> Any:
 
 class WeightTransferFiles(WeightTransferTransport):
     """`WeightTransferTransport` carried by files: every bucket written as a tagged safetensors
-    file to a new folder in RAM while the engine serves; the commit is one ``update_weights``
-    naming them all, whose workers check every file's tag, names and shapes before loading
-    any. Costs the synced bytes in that folder (tmpfs: RAM) from the stage to the end of the
+    file to a new folder in RAM while the engine serves, its names and shapes checked by the
+    workers there (``weightsync_check_update``: an update for another model is refused before
+    the engine is paused or its adapter unloaded); the commit is one ``update_weights`` naming
+    them all, whose workers check every file's tag, names and shapes before loading any. Costs the synced bytes in that folder (tmpfs: RAM) from the stage to the end of the
     commit. Same host, or a shared filesystem.
 
     Args:
@@ -229,15 +230,21 @@ class WeightTransferFiles(WeightTransferTransport):
         _call(self.client, "init_weight_transfer_engine", asdict(InitInfo()))
 
     def prepare(self, rpc: Rpc, buckets: Iterable[Bucket]) -> Staged:
-        """Write and tag every bucket's file now, while the engine serves (a failure here
-        removes the folder and leaves the engine untouched); the apply is the update that
-        checks and loads them, the drop removes the folder."""
+        """Write and tag every bucket's file now, while the engine serves, and have the workers
+        check their names and shapes (a failure here removes the folder and leaves the engine
+        untouched); the
+        apply is the update that checks and loads them, the drop removes the folder."""
         self._check_connected()
         signer = signer_for(self.tagged)
         self._updates += 1
         folder = self.root / f"update-{self._updates:06d}"
         written = write_folder(buckets, folder, around=_serializing, signer=signer)
         proof = proof_args(signer, written.tags)
+        try:
+            rpc("weightsync_check_update", {"folder": str(folder), "files": written.names})
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         info = UpdateInfo(folder=str(folder), files=written.names, final=True, **proof)
 
         def apply() -> None:
