@@ -13,7 +13,8 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``no_grad`` (must always be seen); PEFT ``merge_adapter()`` / ``unmerge_adapter()`` in place;
   an adapter switch (a second adapter, ``add_adapter`` + ``set_adapter``);
 - sleeps by every path: the engine adapter's ``sleep``/``wake_up``; ``llm.sleep``/``llm.wake_up``
-  directly on the ``vllm.LLM`` (in-process and multiprocess); another HTTP client's ``/sleep``
+  directly on the ``vllm.LLM`` (in-process and multiprocess) or the ``AsyncLLM`` (on its event
+  loop); another HTTP client's ``/sleep``
   and ``/wake_up`` on a server; a sleep weightsync cannot see that the caller reports (the
   ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
   After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself
@@ -50,9 +51,11 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
 Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and final norm), LoRA
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
 ``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled; bytes over gloo with
-deltas, so its workers' kept copies live through every rule) and a ``vllm serve`` (LoRA enabled,
-with weightsync's backend of vLLM's weight-transfer API); the replica target is the last two
-together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
+deltas, so its workers' kept copies live through every rule), an ``AsyncLLM`` on an event loop of
+its own (LoRA enabled; bytes over tmpfs) and a ``vllm serve`` (LoRA enabled, with weightsync's
+backend of vLLM's weight-transfer API). The multiprocess target is the ``LLM`` or the ``AsyncLLM``,
+by the seed's own generator (the kept walks: the ``LLM``); the replica target is that engine and
+the server together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
 weightsync's extension, or vLLM's weight-transfer API with files or gloo (a trainer fault in
 each; a forged gloo frame in both gloo carriers). The server keeps the carriers' records apart:
 a walk over one finds the others' writes as any other client's.
@@ -86,7 +89,7 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
-from conftest import ATOL, LORA, LORA_ARGS
+from conftest import ATOL, LORA, LORA_ARGS, loop_in_thread, on, running_async_llm
 from peft import LoraConfig, get_peft_model
 
 from benchmarks.processes import VLLMServer, free_port, multiproc_llm, serving
@@ -94,6 +97,7 @@ from weightsync import FullSync, Syncer, policy
 from weightsync import distributed as wdist
 from weightsync import testing as T
 from weightsync.engines import (
+    AsyncLLMEngine,
     GlooTransport,
     Replicas,
     VLLMEngine,
@@ -147,11 +151,12 @@ class Phys:
     """One real vLLM engine: its weightsync adapter and the raw handles other parties use."""
 
     name: str
-    kind: str  # "inproc" | "multiproc" | "server"
+    kind: str  # "inproc" | "multiproc" | "asyncllm" | "server"
     adapter: Any
     garbage_dir: str
-    llm: Any = None
+    llm: Any = None  # the vllm.LLM, or the AsyncLLM
     url: str | None = None
+    loop: Any = None  # the AsyncLLM's event loop
 
     # what someone else (the framework, another HTTP client) does, behind weightsync's back
     def direct_sleep(self, level: int) -> None:
@@ -159,6 +164,8 @@ class Phys:
             requests.post(
                 self.url + "/sleep", params={"level": level}, timeout=120
             ).raise_for_status()
+        elif self.kind == "asyncllm":
+            on(self.loop, self.llm.sleep(level=level))
         else:
             self.llm.sleep(level=level)
 
@@ -166,6 +173,8 @@ class Phys:
         if self.kind == "server":
             params = [("tags", t) for t in tags or []]
             requests.post(self.url + "/wake_up", params=params, timeout=120).raise_for_status()
+        elif self.kind == "asyncllm":
+            on(self.loop, self.llm.wake_up(tags=tags))
         else:
             self.llm.wake_up(tags=tags)
 
@@ -174,6 +183,8 @@ class Phys:
             r = requests.get(self.url + "/is_sleeping", timeout=60)
             r.raise_for_status()
             return bool(r.json()["is_sleeping"])
+        if self.kind == "asyncllm":
+            return bool(on(self.loop, self.llm.is_sleeping()))
         return bool(self.llm.llm_engine.is_sleeping())
 
     @torch.no_grad()
@@ -193,6 +204,10 @@ class Phys:
                 kwargs={"weights_path": self.garbage_dir, "is_checkpoint_format": True},
             )
             self.llm.reset_prefix_cache()
+        elif self.kind == "asyncllm":
+            kwargs = {"weights_path": self.garbage_dir, "is_checkpoint_format": True}
+            on(self.loop, self.llm.collective_rpc("reload_weights", kwargs=kwargs))
+            on(self.loop, self.llm.reset_prefix_cache())
         else:
             r = requests.post(
                 self.url + "/collective_rpc",
@@ -219,7 +234,7 @@ class Phys:
         try:
             if self.kind == "inproc":
                 out = greedy_generate(self.adapter.llm_engine, T.PROMPTS, MAX_TOKENS, None)
-            else:  # a server, or a multiprocess LLM: through its control
+            else:  # a server, a multiprocess LLM, an AsyncLLM: through its control
                 out = self.adapter.control.generate(T.PROMPTS, MAX_TOKENS, None)
             return [tokens for tokens, _ in out]
         except Exception as e:  # noqa: BLE001 -- compared, not hidden
@@ -229,7 +244,7 @@ class Phys:
     def abort_left(self) -> None:
         """A ``generate`` that raised leaves its requests in vLLM's scheduler, and the next one
         spins on them forever (in-process): abort them, as tests/conftest.py does."""
-        if self.llm is not None:
+        if self.kind in ("inproc", "multiproc"):
             engine = self.llm.llm_engine
             left = list(engine.output_processor.request_states)
             if left:
@@ -237,7 +252,7 @@ class Phys:
 
     @contextlib.contextmanager
     def count_writes(self):
-        if self.kind == "server":
+        if self.kind in ("server", "asyncllm"):  # at the control, as the engine calls it
             writes: list[str] = []
             wrapped = [(self.adapter.control, ("rpc", "load_lora", "unload_lora", "pause"))]
             client = getattr(self.adapter.transport, "client", None)
@@ -314,6 +329,14 @@ def world(tmp_path_factory):
         # walk makes happens behind the workers' kept copies (docs/delta.md).
         mp = VLLMMultiprocEngine(mp_llm, transport=GlooTransport(delta=True))
         stack.callback(mp.close)
+        # An AsyncLLM on an event loop of its own, as an async RL framework runs it; bytes over
+        # tmpfs, its control calls scheduled onto that loop.
+        loop = stack.enter_context(loop_in_thread())
+        async_llm = stack.enter_context(
+            running_async_llm(loop, checkpoint, enable_lora=True, max_lora_rank=16, max_loras=1)
+        )
+        al = AsyncLLMEngine(async_llm, loop=loop)
+        stack.callback(al.close)
         stack.enter_context(serving(server))
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
@@ -342,6 +365,7 @@ def world(tmp_path_factory):
                 "plain": Phys("inproc-plain", "inproc", plain, garbage_dir, llm=plain.llm),
                 "lora": Phys("inproc-lora", "inproc", lora, garbage_dir, llm=lora.llm),
                 "multiproc": Phys("multiproc", "multiproc", mp, garbage_dir, llm=mp_llm),
+                "asyncllm": Phys("asyncllm", "asyncllm", al, garbage_dir, llm=async_llm, loop=loop),
                 "server": servers,
                 "group": group,
             }
@@ -377,6 +401,10 @@ class Walk:
     #: "wt-gloo" through vLLM's weight-transfer API); None: by the seed, in turn. The kept
     #: walks of FOUND found their bugs over tmpfs.
     carrier: str | None = None
+    #: The engine of the multiprocess target (and the replicas' first): "multiproc" (a
+    #: ``vllm.LLM``) or "asyncllm" (an ``AsyncLLM``); None: by the seed's own generator. The
+    #: kept walks found their bugs on the first.
+    flavor: str | None = None
     history: list[str] = field(default_factory=list)
     step: int = 0
 
@@ -400,14 +428,16 @@ class Walk:
             carriers = list(e["server"])
             self.carrier = carriers[(self.seed + self.seed // len(WORLDS)) % len(carriers)]
         server = e["server"][self.carrier]
+        if self.flavor is None:
+            self.flavor = random.Random(f"flavor-{self.seed}").choice(["multiproc", "asyncllm"])
         if self.target == "inproc":
             self.phys = [e["lora"] if self.setup == "served" else e["plain"]]
             self.engine = self.phys[0].adapter
         elif self.target == "replicas":
-            self.phys = [e["multiproc"], server]
+            self.phys = [e[self.flavor], server]
             self.engine = Replicas([p.adapter for p in self.phys])
         else:
-            self.phys = [server if self.target == "server" else e[self.target]]
+            self.phys = [server if self.target == "server" else e[self.flavor]]
             self.engine = self.phys[0].adapter
         self.group = e["group"]
         self.lora = self.setup != "full"
@@ -430,7 +460,7 @@ class Walk:
     def fail(self, what: str) -> None:
         raise Violation(
             f"weightsync lifecycle fuzz: seed {self.seed} world {self.target}/{self.setup} "
-            f"(server over {self.carrier}) "
+            f"on {', '.join(p.name for p in self.phys)} (server over {self.carrier}) "
             f"step {self.step}: {what}\n"
             f"replay: WEIGHTSYNC_FUZZ_SEED={self.seed} WEIGHTSYNC_FUZZ_STEPS={self.steps} "
             f"pytest -q -n 0 -s tests/test_lifecycle_fuzz.py\n"
@@ -1102,11 +1132,13 @@ def walk_and_check(
     faults: bool = False,
     carrier: str | None = None,
     foreign: bool = False,
+    flavor: str | None = None,
 ) -> None:
     target, setup = WORLDS[seed % len(WORLDS)]
-    walk = Walk(seed, target, setup, world, steps, faults, foreign, carrier=carrier)
+    walk = Walk(seed, target, setup, world, steps, faults, foreign, carrier=carrier, flavor=flavor)
     print(
-        f"\n[fuzz] seed {seed}: {target}/{setup}, {steps} steps"
+        f"\n[fuzz] seed {seed}: {target}/{setup} on {', '.join(p.name for p in walk.phys)}, "
+        f"{steps} steps"
         + (f", server over {walk.carrier}" if target in ("server", "replicas") else ""),
         flush=True,
     )
@@ -1139,7 +1171,7 @@ def test_lifecycle_fuzz(world, seed):
 
 @pytest.mark.parametrize(("seed", "steps", "what"), FOUND, ids=[str(f[0]) for f in FOUND])
 def test_found_before(world, seed, steps, what):
-    walk_and_check(world, seed, steps, carrier="tmpfs")
+    walk_and_check(world, seed, steps, carrier="tmpfs", flavor="multiproc")
 
 
 @pytest.mark.parametrize(
@@ -1148,4 +1180,6 @@ def test_found_before(world, seed, steps, what):
     ids=[str(f[0]) for f in FOUND_FAULTS],
 )
 def test_found_with_faults(world, seed, steps, foreign, carrier, what):
-    walk_and_check(world, seed, steps, faults=True, foreign=foreign, carrier=carrier)
+    walk_and_check(
+        world, seed, steps, faults=True, foreign=foreign, carrier=carrier, flavor="multiproc"
+    )
