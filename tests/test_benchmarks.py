@@ -125,6 +125,14 @@ def test_json_schema(result):
     targets = [t["target"] for t in data["targets"]]
     assert any("untied model" in t for t in targets), targets
     assert any(t.startswith("frozen embeddings") for t in targets), targets
+    # issue 32: AdapterSync against base + adapter by their byte ratio, at both max ranks
+    by_bytes = [t for t in data["targets"] if "byte ratio" in t["target"]]
+    assert len(by_bytes) == 2, targets
+    ratio = by["full_lora_separate"]["bytes"] / by["adapter_r16"]["bytes"]
+    assert f"({ratio:.1f}x)" in by_bytes[0]["target"]
+    speedup = median["full_lora_separate"] / median["adapter_r16"]
+    assert by_bytes[0]["margin"] == pytest.approx(speedup / ratio)
+    assert by_bytes[0]["met"] == (speedup >= ratio)
 
 
 def test_correctness_flags(result):
