@@ -26,7 +26,8 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   told the engine does not serve LoRA, or ``FullSync(lora="merge")`` directly), and frameworks
   that write the frozen base without marking it unsynced: the next served sync must restore the
   base or refuse (the adapter's base proof, ``weightsync.strategies.proof``);
-- syncs by every entry point: ``Syncer.sync`` (or ``await Syncer.async_sync``),
+- syncs by every entry point: ``Syncer.sync`` (or ``await Syncer.async_sync``, on the
+  ``AsyncLLM``'s own event loop when the walk has one),
   ``policy.choose`` + ``strategy.sync`` (the caller tracking ``base_sync_done`` and the sleep
   level as a framework does), a ``Replicas`` target, and ``weightsync.distributed.sync`` (with a
   Syncer or a strategy) in a one-process gloo group;
@@ -696,10 +697,15 @@ class Walk:
             line = f"engine.mark_asleep({self.known_level}); engine.mark_awake(); " + line
         self.pending_line = "sync: " + line
         if entry == "syncer" and self.side_rng.random() < 0.5:
-            # The async entry point: the same sync in a worker thread, awaited on a loop.
-            self.pending_line = self.pending_line.replace("Syncer.sync", "await Syncer.async_sync")
-            line = line.replace("Syncer.sync", "await Syncer.async_sync")
-            report = asyncio.run(self.syncer.async_sync(self.model, sleep_level=level_arg))
+            # The async entry point: the same sync in a worker thread, awaited on a loop -- an
+            # AsyncLLM's own (an async framework's rollout loop, which the engine's calls need
+            # free), else one of its own.
+            loop = next((p.loop for p in self.phys if p.loop is not None), None)
+            awaited = "await Syncer.async_sync" + (" (on the AsyncLLM's loop)" if loop else "")
+            self.pending_line = self.pending_line.replace("Syncer.sync", awaited)
+            line = line.replace("Syncer.sync", awaited)
+            synced = self.syncer.async_sync(self.model, sleep_level=level_arg)
+            report = on(loop, synced) if loop is not None else asyncio.run(synced)
         elif entry == "syncer":
             report = self.syncer.sync(self.model, sleep_level=level_arg)
         elif entry == "dist_syncer":
@@ -1144,6 +1150,8 @@ def walk_and_check(
     )
     try:
         walk.run()
+        if os.environ.get("WEIGHTSYNC_FUZZ_SEED") is not None:  # a replay shows its walk
+            print("  " + "\n  ".join(walk.history), flush=True)
         syncs = [h for h in walk.history if "sync:" in h]
         merged = sum("rollout_lora=False" in h or "lora='merge'" in h for h in syncs)
         print(
@@ -1155,6 +1163,11 @@ def walk_and_check(
             f"its pause, {sum('other client:' in h for h in walk.history)} other writes, "
             f"{sum('sleeps through the sync' in h for h in walk.history)} with the KV cache asleep"
             + (f", {merged} merged into the served engine" if walk.served else "")
+            + (
+                f", {sum('AsyncLLM' in h for h in syncs)} awaited on the AsyncLLM's loop"
+                if any(p.loop is not None for p in walk.phys)
+                else ""
+            )
             + ")",
             flush=True,
         )
