@@ -730,7 +730,10 @@ class Walk:
             return
         level = self.split_rng.choice([1, 2])
         how = self.split_rng.choice(["adapter", "direct"])
-        if level == 2:
+        if 2 in (level, self.known_level):
+            # Now, while the engines generate: a level-2 sleep the caller reports during this
+            # sync (``mark_asleep``) unnames the adapters, and a sleep in "keep" mode holds
+            # every request (a server's, an AsyncLLM's) until the KV cache wakes (seed 1367).
             self.note_unadapted()
         if how == "adapter":
             self.engine.sleep(level)
@@ -1127,6 +1130,15 @@ FOUND_FAULTS = [
         None,  # the seed's own carrier: vLLM's weight-transfer API, files
         "replicas/served: the caller's mark_asleep(2) on Replicas unnamed every replica's "
         "adapter, and this file's check compared the server's tokens with the adapter's",
+    ),
+    (
+        1367,
+        4,
+        True,
+        None,  # the seed's own carrier: vLLM's weight-transfer API, files
+        "replicas/served: this file hung: a level-1 split sleep in keep mode held every request "
+        "of the server until its KV cache woke, and the check generated on it for the level 2 "
+        "the caller then reported (mark_asleep(2))",
     ),
 ]
 
