@@ -108,7 +108,13 @@ from weightsync.engines import (
     WeightTransferGloo,
 )
 from weightsync.engines.vllm.control import greedy_generate
-from weightsync.errors import BaseUnprovenError, WeightSyncError
+from weightsync.errors import (
+    BaseUnprovenError,
+    BytesRejectedError,
+    ReplicasSplitError,
+    WeightSyncError,
+    left_untouched,
+)
 from weightsync.wire import gloo
 from weightsync.wire.files import bucket_name
 
@@ -1132,6 +1138,15 @@ FOUND_FAULTS = [
         "adapter, and this file's check compared the server's tokens with the adapter's",
     ),
     (
+        1427,
+        1,
+        True,
+        None,  # the seed's own carrier: tmpfs
+        "replicas/served: an adapter whose gloo frame was refused before any load (nothing "
+        "reached the engine) marked the engine's base lost, so weightsync stopped naming the "
+        "adapter the engine still served",
+    ),
+    (
         1367,
         4,
         True,
@@ -1208,3 +1223,66 @@ def test_found_with_faults(world, seed, steps, foreign, carrier, what):
     walk_and_check(
         world, seed, steps, faults=True, foreign=foreign, carrier=carrier, flavor="multiproc"
     )
+
+
+@contextlib.contextmanager
+def adapter_file_forged(engine: VLLMServerEngine):
+    """The adapter's safetensors file changed after weightsync tagged it, before the engine's
+    workers check it (``weightsync_check_files``): what another writer of the folder would do."""
+    rpc = engine.rpc
+
+    def forging(method, kwargs=None):
+        if method == "weightsync_check_files":
+            name = next(f for f in kwargs["files"] if f.endswith(".safetensors"))
+            path = Path(kwargs["folder"]) / name
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x55
+            path.write_bytes(bytes(data))
+        return rpc(method, kwargs)
+
+    engine.rpc = forging
+    try:
+        yield
+    finally:
+        del engine.rpc
+
+
+def test_an_adapter_refused_on_its_way_leaves_an_engine_serving_it_and_replicas_split(world):
+    """What seed 1427 found, by a forged file rather than a frame: an adapter refused before
+    any load leaves the engine serving the adapter it served, named, on a base still proven
+    (the next sync sends the adapter alone); refused on the second of two replicas, after the
+    first loaded it, the replicas serve two adapters: a `ReplicasSplitError`, never
+    "untouched", and the next sync restores both."""
+    first, server = world["multiproc"], world["server"]["tmpfs"]
+    for p in (first, server):
+        p.recover()
+    model = get_peft_model(T.tiny_model("qwen2", seed=0), LoraConfig(**LORA))
+    T.perturb(model, seed=1427, scale=0.3)
+    fleet = Replicas([first.adapter, server.adapter])
+    FullSync(lora="separate", skip_unchanged=False).sync(model, fleet)
+
+    def exact(engine) -> None:
+        result = T.compare(model, engine, max_tokens=MAX_TOKENS)
+        assert result["engine"] == result["trainer"], result
+        assert result["max_logprob_diff"] <= ATOL, result
+
+    alone = Syncer(server.adapter, train_type="lora", rollout_lora=True, base_sync_done=True)
+    served = server.generate()
+    T.perturb(model, seed=1428, scale=0.3)
+    with adapter_file_forged(server.adapter), pytest.raises(BytesRejectedError) as refused:
+        alone.sync(model)
+    assert left_untouched(refused.value)
+    assert server.adapter.served_adapter is not None
+    assert server.generate() == served
+    assert alone.sync(model).strategy == "AdapterSync"
+    exact(server.adapter)
+
+    fleet_syncer = Syncer(fleet, train_type="lora", rollout_lora=True, base_sync_done=True)
+    T.perturb(model, seed=1429, scale=0.3)
+    with adapter_file_forged(server.adapter), pytest.raises(ReplicasSplitError) as split:
+        fleet_syncer.sync(model)
+    assert not left_untouched(split.value)
+    assert isinstance(split.value.__cause__, BytesRejectedError)
+    assert all(e.attest().harm == 2 for e in fleet.engines)
+    assert fleet_syncer.sync(model).strategy != "AdapterSync"
+    exact(fleet)

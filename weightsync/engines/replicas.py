@@ -274,7 +274,24 @@ class Replicas(Engine):
             e.check_adapter(adapter)
 
     def load_adapter(self, adapter: Adapter) -> int:
-        return sum(e.load_adapter(adapter) for e in self.engines)
+        """Load the adapter into each replica in turn. A replica that fails after others
+        loaded it leaves the replicas on two adapters, whatever its own failure left: that is
+        a `ReplicasSplitError` (never `errors.untouched`), and every replica is marked lost."""
+        calls = 0
+        for i, e in enumerate(self.engines):
+            try:
+                calls += e.load_adapter(adapter)
+            except BaseException as error:
+                if i == 0 or not isinstance(error, Exception):
+                    raise
+                self.mark_lost()
+                raise ReplicasSplitError(
+                    f"Replicas: loading the adapter failed on replica {i} "
+                    f"({type(error).__name__}: {error}) after replica(s) {list(range(i))} loaded "
+                    "it, so the replicas no longer serve one adapter. Every replica is marked "
+                    "lost: the next sync restores all of them fully (Syncer does it by itself)."
+                ) from error
+        return calls
 
     def reload_checkpoint(self, path: str | None = None) -> int:
         return sum(e.reload_checkpoint(path) for e in self.engines)

@@ -453,28 +453,17 @@ class RemoteVLLMEngine(Engine):
         deleted.
 
         The folder is written here (``adapter_dir``, or a scratch folder of this host) unless the
-        transport carries adapters to the engine's host (gloo, and no ``adapter_dir``)."""
+        transport carries adapters to the engine's host (gloo, and no ``adapter_dir``). A
+        failure while the adapter travels or is checked (a refused frame, a tag that differs)
+        comes before any call that loads: it is raised marked `errors.untouched`, and the
+        engine goes on serving the adapter it served, under its name."""
         self.check_adapter(adapter)
         self._version += 1
-        path = None
-        if self._adapter_dir is None:
-            path = self.transport.put_adapter(
-                self.rpc,
-                self._version,
-                adapter.tensors,
-                adapter.config,
-                keep=max(self.adapter_versions, 2),
-            )
-            self._remote_adapters |= path is not None
-        local = path is None
-        if local:
-            folder = self._adapter_root / f"adapter-v{self._version:06d}"
-            with timing.span("serialize"):
-                fmt.write_adapter(folder, adapter.tensors.items(), adapter.config)
-            if self.transport.tagged:
-                self._check_folder(folder)
-            path = str(folder)
-        assert path is not None
+        try:
+            path, local = self._put_adapter(adapter)
+        except BaseException as error:
+            errors.untouched(error)
+            raise
 
         version = self._version
         kept = self.adapter_versions
@@ -493,6 +482,31 @@ class RemoteVLLMEngine(Engine):
             while len(self._versions) > max(kept, 2):
                 shutil.rmtree(self._versions.pop(0), ignore_errors=True)
         return 1
+
+    def _put_adapter(self, adapter: Adapter) -> tuple[str, bool]:
+        """The adapter's bytes where the engine's LoRA loader reads them: its folder's path,
+        and whether that folder is on this host (written here) rather than the engine's."""
+        if self._adapter_dir is None:
+            path = self.transport.put_adapter(
+                self.rpc,
+                self._version,
+                adapter.tensors,
+                adapter.config,
+                keep=max(self.adapter_versions, 2),
+            )
+            self._remote_adapters |= path is not None
+            if path is not None:
+                return path, False
+        folder = self._adapter_root / f"adapter-v{self._version:06d}"
+        try:
+            with timing.span("serialize"):
+                fmt.write_adapter(folder, adapter.tensors.items(), adapter.config)
+            if self.transport.tagged:
+                self._check_folder(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # no later version keeps count of it
+            raise
+        return str(folder), True
 
     def _check_folder(self, folder: Path) -> None:
         """Have the workers check the files of ``folder`` against tags made here before vLLM's
