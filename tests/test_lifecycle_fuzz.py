@@ -84,6 +84,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1279,12 +1280,33 @@ def adapter_file_forged(engine: VLLMServerEngine):
         del engine.rpc
 
 
-def test_an_adapter_refused_on_its_way_leaves_an_engine_serving_it_and_replicas_split(world):
+@contextlib.contextmanager
+def adapter_folder_gone(engine: VLLMServerEngine):
+    """The adapter's folder removed after it was staged, before the engine loads it: the load
+    fails inside the commit."""
+    commit = engine._paused_write
+
+    def removing(what, steps, **kwargs):
+        if what == "load_adapter":
+            for step in steps:
+                if step[0] == "load_lora":
+                    shutil.rmtree(step[2])
+        return commit(what, steps, **kwargs)
+
+    engine._paused_write = removing
+    try:
+        yield
+    finally:
+        del engine._paused_write
+
+
+def test_an_adapter_refused_on_its_way_changes_no_replica_and_a_failed_load_splits_them(world):
     """What seed 1427 found, by a forged file rather than a frame: an adapter refused before
-    any load leaves the engine serving the adapter it served, named, on a base still proven
-    (the next sync sends the adapter alone); refused on the second of two replicas, after the
-    first loaded it, the replicas serve two adapters: a `ReplicasSplitError`, never
-    "untouched", and the next sync restores both."""
+    any load -- on an engine alone, or on the second of two replicas -- leaves every engine
+    serving the adapter it served, named, on a base still proven (the next sync sends the
+    adapter alone). A load failing on the second replica after the first loaded the adapter
+    leaves them on two adapters: a `ReplicasSplitError`, never "untouched", and the next sync
+    restores both."""
     first, server = world["multiproc"], world["server"]["tmpfs"]
     for p in (first, server):
         p.recover()
@@ -1309,12 +1331,20 @@ def test_an_adapter_refused_on_its_way_leaves_an_engine_serving_it_and_replicas_
     assert alone.sync(model).strategy == "AdapterSync"
     exact(server.adapter)
 
-    fleet_syncer = Syncer(fleet, train_type="lora", rollout_lora=True, base_sync_done=True)
+    replicas = Syncer(fleet, train_type="lora", rollout_lora=True, base_sync_done=True)
+    served = [first.generate(), server.generate()]
     T.perturb(model, seed=1429, scale=0.3)
-    with adapter_file_forged(server.adapter), pytest.raises(ReplicasSplitError) as split:
-        fleet_syncer.sync(model)
+    with adapter_file_forged(server.adapter), pytest.raises(BytesRejectedError) as refused:
+        replicas.sync(model)
+    assert left_untouched(refused.value)
+    assert [first.generate(), server.generate()] == served
+    assert replicas.sync(model).strategy == "AdapterSync"
+    exact(fleet)
+
+    T.perturb(model, seed=1430, scale=0.3)
+    with adapter_folder_gone(server.adapter), pytest.raises(ReplicasSplitError) as split:
+        replicas.sync(model)
     assert not left_untouched(split.value)
-    assert isinstance(split.value.__cause__, BytesRejectedError)
     assert all(e.attest().harm == 2 for e in fleet.engines)
-    assert fleet_syncer.sync(model).strategy != "AdapterSync"
+    assert replicas.sync(model).strategy != "AdapterSync"
     exact(fleet)

@@ -236,6 +236,18 @@ class EngineContract(ABC):
         an implementation must make the new one take effect. Returns the engine calls made.
         """
 
+    def stage_adapter(self, adapter: Adapter) -> Staged:
+        """Carry ``adapter`` to the engine while it serves; nothing is loaded until the returned
+        `Staged` is applied. A failure here leaves the engine untouched.
+
+        `weightsync.engines.Replicas` stages the adapter on every replica before it loads it
+        into any, so the transfer, where an adapter's load fails most (a refused frame, a
+        tag that differs), fails on none or loads on none. This default, for an engine whose
+        load has no transfer to split off (an in-process engine builds the adapter from the
+        trainer's tensors, and replaces the served one only once it is built), stages
+        nothing and loads it at apply."""
+        return Staged(lambda: self.load_adapter(adapter))
+
     @abstractmethod
     def reload_checkpoint(self, path: str | None = None) -> int:
         """Have the engine re-read weights from a checkpoint folder: its original one when

@@ -66,8 +66,9 @@ class Replicas(Engine):
     the version each holds; a replica whose write failed part-way holds a mix, which a
     ``vllm serve`` with weightsync's middleware refuses to serve (HTTP 503) until a full
     restore. Either way every replica's base is then marked unsynced, so the next sync restores
-    all of them fully. Adapter loads (`load_adapter`) and checkpoint reloads
-    (`reload_checkpoint`) are not staged: they still run replica after replica.
+    all of them fully. An adapter is staged too (`load_adapter`: its bytes carried to every
+    replica, then loaded into each in turn); checkpoint reloads (`reload_checkpoint`) are not
+    staged: they still run replica after replica.
 
     Args:
         engines: the replicas (any `Engine`, or raw engines that
@@ -274,23 +275,40 @@ class Replicas(Engine):
             e.check_adapter(adapter)
 
     def load_adapter(self, adapter: Adapter) -> int:
-        """Load the adapter into each replica in turn. A replica that fails after others
-        loaded it leaves the replicas on two adapters, whatever its own failure left: that is
-        a `ReplicasSplitError` (never `errors.untouched`), and every replica is marked lost."""
+        """Stage the adapter on every replica (`Engine.stage_adapter`: its bytes carried to
+        each while all serve), then load it into each in turn. A failed stage is raised marked
+        `errors.untouched`, every other stage discarded: no replica loaded it. A load failing
+        after other replicas loaded it leaves the replicas on two adapters, whatever its own
+        failure left: that is a `ReplicasSplitError` (never untouched), and every replica is
+        marked lost."""
+        staged: list[Staged] = []
+        try:
+            for e in self.engines:
+                staged.append(e.stage_adapter(adapter))
+        except BaseException as error:
+            for each in staged:
+                each.discard()
+            untouched(error)
+            raise
         calls = 0
-        for i, e in enumerate(self.engines):
-            try:
-                calls += e.load_adapter(adapter)
-            except BaseException as error:
-                if i == 0 or not isinstance(error, Exception):
-                    raise
-                self.mark_lost()
-                raise ReplicasSplitError(
-                    f"Replicas: loading the adapter failed on replica {i} "
-                    f"({type(error).__name__}: {error}) after replica(s) {list(range(i))} loaded "
-                    "it, so the replicas no longer serve one adapter. Every replica is marked "
-                    "lost: the next sync restores all of them fully (Syncer does it by itself)."
-                ) from error
+        try:
+            for i, each in enumerate(staged):
+                try:
+                    calls += each.apply() or 0
+                except Exception as error:
+                    if i == 0:
+                        raise
+                    self.mark_lost()
+                    raise ReplicasSplitError(
+                        f"Replicas: loading the adapter failed on replica {i} "
+                        f"({type(error).__name__}: {error}) after replica(s) {list(range(i))} "
+                        "loaded it, so the replicas no longer serve one adapter. Every replica "
+                        "is marked lost: the next sync restores all of them fully (Syncer does "
+                        "it by itself)."
+                    ) from error
+        finally:
+            for each in staged:
+                each.drop()
         return calls
 
     def reload_checkpoint(self, path: str | None = None) -> int:

@@ -445,43 +445,64 @@ class RemoteVLLMEngine(Engine):
             )
 
     def load_adapter(self, adapter: Adapter) -> int:
-        """Put the adapter in a new versioned folder and load it. With one version kept, the
-        old one is unloaded by name and the new one loaded under the same name; old folders are
-        deleted once two newer versions exist: a request admitted before a swap may still read
-        its adapter's folder after it. With more, the new version is loaded under a name of
-        its own, then the version that fell out of the window is unloaded and its folder
-        deleted.
+        """Put the adapter in a new versioned folder and load it (`stage_adapter`, applied)."""
+        staged = self.stage_adapter(adapter)
+        try:
+            return staged.apply() or 0
+        finally:
+            staged.drop()
+
+    def stage_adapter(self, adapter: Adapter) -> Staged:
+        """Put the adapter in a new versioned folder now, while the engine serves; the returned
+        `Staged` loads it. With one version kept, the old one is unloaded by name and the new
+        one loaded under the same name; old folders are deleted once two newer versions exist:
+        a request admitted before a swap may still read its adapter's folder after it. With
+        more, the new version is loaded under a name of its own, then the version that fell
+        out of the window is unloaded and its folder deleted.
 
         The folder is written here (``adapter_dir``, or a scratch folder of this host) unless the
         transport carries adapters to the engine's host (gloo, and no ``adapter_dir``). A
         failure while the adapter travels or is checked (a refused frame, a tag that differs)
         comes before any call that loads: it is raised marked `errors.untouched`, and the
-        engine goes on serving the adapter it served, under its name."""
+        engine goes on serving the adapter it served, under its name. A folder written here
+        and never loaded is removed when the stage is dropped."""
         self.check_adapter(adapter)
         self._version += 1
+        version = self._version
         try:
             path, local = self._put_adapter(adapter)
         except BaseException as error:
             errors.untouched(error)
             raise
+        loaded = False
 
-        version = self._version
-        kept = self.adapter_versions
-        name = self.lora_name if kept == 1 else f"{self.lora_name}-v{version}"
-        # One version kept: the old one unloaded first, the new loaded under its name; more:
-        # the new loaded first, then the versions that fell out of the window unloaded.
-        old = [n for _, n in self._resident]
-        first = [("unload_lora", name)] if kept == 1 else []
-        evicted = [] if kept == 1 else old[: max(0, len(old) + 1 - kept)]
-        steps = [*first, ("load_lora", name, path), *(("unload_lora", n) for n in evicted)]
-        self._loading = version
-        self._paused_write("load_adapter", steps, base=False)
-        self.adapter_path = path
-        if local:
-            self._versions.append(Path(path))
-            while len(self._versions) > max(kept, 2):
-                shutil.rmtree(self._versions.pop(0), ignore_errors=True)
-        return 1
+        def apply() -> int:
+            nonlocal loaded
+            kept = self.adapter_versions
+            name = self.lora_name if kept == 1 else f"{self.lora_name}-v{version}"
+            # One version kept: the old one unloaded first, the new loaded under its name; more:
+            # the new loaded first, then the versions that fell out of the window unloaded.
+            old = [n for _, n in self._resident]
+            first = [("unload_lora", name)] if kept == 1 else []
+            evicted = [] if kept == 1 else old[: max(0, len(old) + 1 - kept)]
+            steps = [*first, ("load_lora", name, path), *(("unload_lora", n) for n in evicted)]
+            self._loading = version
+            loaded = True  # from here the engine may read the folder: kept, and counted
+            if local:
+                self._versions.append(Path(path))
+            try:
+                self._paused_write("load_adapter", steps, base=False)
+            finally:
+                while len(self._versions) > max(kept, 2):
+                    shutil.rmtree(self._versions.pop(0), ignore_errors=True)
+            self.adapter_path = path
+            return 1
+
+        def drop() -> None:
+            if local and not loaded:
+                shutil.rmtree(path, ignore_errors=True)
+
+        return Staged(apply, drop)
 
     def _put_adapter(self, adapter: Adapter) -> tuple[str, bool]:
         """The adapter's bytes where the engine's LoRA loader reads them: its folder's path,
