@@ -143,7 +143,7 @@ def _seeds() -> list[int]:
     one = os.environ.get("WEIGHTSYNC_FUZZ_SEED")
     if one is not None:
         return [int(one)]
-    spec = os.environ.get("WEIGHTSYNC_FUZZ_SEEDS", f"0-{len(WORLDS) - 1}")
+    spec = os.environ.get("WEIGHTSYNC_FUZZ_SEEDS") or f"0-{len(WORLDS) - 1}"  # empty: the default
     seeds: list[int] = []
     for part in spec.split(","):
         part = part.strip()
