@@ -89,6 +89,7 @@ arrow_config            refused  Arrow routes between adapters per token
 kasa_config             refused  KaSA changes the layer
 use_bdlora              refused  block-diagonal LoRA is a different layer
 ensure_weight_tying     refused  tied trainable copies are untested
+astra_config            refused  Astra (peft 0.22) initialises from the base's activations: untested
 # Only read when their option above is set.
 megatron_core           inert    only read with megatron_config
 qalora_group_size       inert    only read with use_qalora
