@@ -70,7 +70,7 @@ fan_in_fan_out          merge    transposed (Conv1D) layouts are merged; serving
 bias                    merge    trained base biases are full weights: sent by a full sync, not by an adapter
 lora_bias               merge    a bias on lora_B is merged into the base bias; vLLM cannot serve it
 # Initialisation only.
-init_lora_weights       init     initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA rewrite the base
+init_lora_weights       init     initial values; PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA/Astra rewrite the base
 loftq_config            init     LoftQ initialisation settings
 eva_config              init     EVA initialisation settings
 corda_config            init     CorDA initialisation settings
@@ -89,7 +89,7 @@ arrow_config            refused  Arrow routes between adapters per token
 kasa_config             refused  KaSA changes the layer
 use_bdlora              refused  block-diagonal LoRA is a different layer
 ensure_weight_tying     refused  tied trainable copies are untested
-astra_config            refused  Astra (peft 0.22) initialises from the base's activations: untested
+astra_config            refused  Astra (peft 0.22) rewrites the base to a residual from its activations: untested
 # Only read when their option above is set.
 megatron_core           inert    only read with megatron_config
 qalora_group_size       inert    only read with use_qalora
@@ -104,7 +104,7 @@ OPTIONS: dict[str, tuple[Handling, str]] = {
 }
 
 #: init_lora_weights values that overwrite the base weights when the adapter is created.
-BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "astra")
 
 
 def _default(field: dataclasses.Field) -> object:
