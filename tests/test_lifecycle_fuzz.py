@@ -13,8 +13,8 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
   ``no_grad`` (must always be seen); PEFT ``merge_adapter()`` / ``unmerge_adapter()`` in place;
   an adapter switch (a second adapter, ``add_adapter`` + ``set_adapter``);
 - sleeps by every path: the engine adapter's ``sleep``/``wake_up``; ``llm.sleep``/``llm.wake_up``
-  directly on the ``vllm.LLM`` (in-process and multiprocess) or the ``AsyncLLM`` (on its event
-  loop); another HTTP client's ``/sleep``
+  directly on the ``vllm.LLM`` (in-process, multiprocess, or inside its Ray actor) or the
+  ``AsyncLLM`` (on its event loop); another HTTP client's ``/sleep``
   and ``/wake_up`` on a server; a sleep weightsync cannot see that the caller reports (the
   ``sleep_level`` argument of ``Syncer.sync`` / ``policy.choose``, or ``engine.mark_asleep``).
   After any level-2 sleep the engine's weights are overwritten with garbage through vLLM itself
@@ -34,7 +34,8 @@ Each seed drives one *world* (an engine target x a training set-up, ``WORLDS[see
 - faults in a sync of every engine, and of one replica of the replica target (issue 31): the
   trainer failing part-way through its buckets (re-cut one tensor a bucket, so "part-way" is
   mid-stream; the in-process engines stage, ``VLLMEngine(stage=True)``), a gloo frame corrupted
-  on the way, a tmpfs file rewritten before the load. The sync must raise and every engine still generate exactly what
+  on the way, a tmpfs file rewritten before the load, a Ray payload swapped in the object store
+  for a copy with one byte changed. The sync must raise and every engine still generate exactly what
   it generated before (old weights whole, never a mix, every replica on one version); the walk
   goes on and the next sync must be exact. (A trainer SIGKILLed mid-sync needs a process of its
   own: ``tests/test_pause_lease_vllm.py``.)
@@ -53,12 +54,14 @@ Set-ups: full training of a tied Qwen2 tiny model with frozen embeddings (and fi
 merged into the weights, LoRA served by the engine. Engines, shared by the module: an in-process
 ``LLM`` without LoRA, one with LoRA, a multiprocess ``LLM`` (LoRA enabled; bytes over gloo with
 deltas, so its workers' kept copies live through every rule), an ``AsyncLLM`` on an event loop of
-its own (LoRA enabled; bytes over tmpfs), a multiprocess ``LLM`` of a tiny Qwen3-MoE (no LoRA;
-gloo with deltas) and a ``vllm serve`` (LoRA enabled, with weightsync's backend of vLLM's
-weight-transfer API). The multiprocess target is the ``LLM`` or the ``AsyncLLM``, by the seed's own
-generator, and in its full and merged walks, by another, the MoE (trained as the MoE it is: its
-fused experts perturbed, merged LoRA on attention and on those experts); the kept walks: the dense ``LLM``. The replica
-target is the ``LLM`` or the ``AsyncLLM`` and the server together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
+its own (LoRA enabled; bytes over tmpfs), an ``LLM`` in a Ray actor on a one-node Ray cluster
+on loopback (LoRA enabled; bytes through the object store, with deltas), a multiprocess ``LLM``
+of a tiny Qwen3-MoE (no LoRA; gloo with deltas) and a ``vllm serve`` (LoRA enabled, with
+weightsync's backend of vLLM's weight-transfer API). The multiprocess target is the ``LLM``, the
+``AsyncLLM`` or the Ray actor, by the seed's own generators, and in its full and merged walks,
+by another, the MoE (trained as the MoE it is: its fused experts perturbed, merged LoRA on
+attention and on those experts); the kept walks: the dense ``LLM``. The replica target is the
+``LLM``, the ``AsyncLLM`` or the Ray actor, and the server, together. Each walk reaches the server by one carrier, the seed's in turn: tmpfs through
 weightsync's extension, or vLLM's weight-transfer API with files or gloo (a trainer fault in
 each; a forged gloo frame in both gloo carriers). The server keeps the carriers' records apart:
 a walk over one finds the others' writes as any other client's.
@@ -96,7 +99,7 @@ import torch.distributed as dist
 from conftest import ATOL, LORA, LORA_ARGS, loop_in_thread, moe_model, on, running_async_llm
 from peft import LoraConfig, get_peft_model
 
-from benchmarks.processes import VLLMServer, free_port, multiproc_llm, serving
+from benchmarks.processes import VLLMServer, free_port, multiproc_llm, ray_cluster, serving
 from weightsync import FullSync, Syncer, policy
 from weightsync import distributed as wdist
 from weightsync import testing as T
@@ -120,6 +123,14 @@ from weightsync.errors import (
 )
 from weightsync.wire import gloo
 from weightsync.wire.files import bucket_name
+
+# Every Ray address on loopback (see tests/test_ray_vllm.py); read when Ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray
+
+from weightsync.engines.vllm.ray import RayObjectStoreTransport, RayVLLMEngine
+from weightsync.engines.vllm.ray import engine as ray_engine
+from weightsync.engines.vllm.ray.actor import DROP_STAGE, STAGE, WeightsyncActor
 
 MAX_TOKENS = 8
 #: The calls of vLLM's weight-transfer client that open, fill or close an update.
@@ -169,10 +180,10 @@ class Phys:
     """One real vLLM engine: its weightsync adapter and the raw handles other parties use."""
 
     name: str
-    kind: str  # "inproc" | "multiproc" | "asyncllm" | "server"
+    kind: str  # "inproc" | "multiproc" | "asyncllm" | "ray" | "server"
     adapter: Any
     garbage_dir: str
-    llm: Any = None  # the vllm.LLM, or the AsyncLLM
+    llm: Any = None  # the vllm.LLM, or the AsyncLLM, or the Ray actor's handle
     url: str | None = None
     loop: Any = None  # the AsyncLLM's event loop
 
@@ -184,6 +195,8 @@ class Phys:
             ).raise_for_status()
         elif self.kind == "asyncllm":
             on(self.loop, self.llm.sleep(level=level))
+        elif self.kind == "ray":  # the framework, inside its actor
+            _ray_get(self.llm.sleep.remote(level))
         else:
             self.llm.sleep(level=level)
 
@@ -193,6 +206,8 @@ class Phys:
             requests.post(self.url + "/wake_up", params=params, timeout=120).raise_for_status()
         elif self.kind == "asyncllm":
             on(self.loop, self.llm.wake_up(tags=tags))
+        elif self.kind == "ray":
+            _ray_get(self.llm.wake_up.remote(tags))
         else:
             self.llm.wake_up(tags=tags)
 
@@ -203,6 +218,8 @@ class Phys:
             return bool(r.json()["is_sleeping"])
         if self.kind == "asyncllm":
             return bool(on(self.loop, self.llm.is_sleeping()))
+        if self.kind == "ray":
+            return bool(_ray_get(self.llm.is_sleeping.remote()))
         return bool(self.llm.llm_engine.is_sleeping())
 
     @torch.no_grad()
@@ -226,6 +243,8 @@ class Phys:
             kwargs = {"weights_path": self.garbage_dir, "is_checkpoint_format": True}
             on(self.loop, self.llm.collective_rpc("reload_weights", kwargs=kwargs))
             on(self.loop, self.llm.reset_prefix_cache())
+        elif self.kind == "ray":
+            _ray_get(self.llm.reload.remote(self.garbage_dir))
         else:
             r = requests.post(
                 self.url + "/collective_rpc",
@@ -252,7 +271,7 @@ class Phys:
         try:
             if self.kind == "inproc":
                 out = greedy_generate(self.adapter.llm_engine, T.PROMPTS, MAX_TOKENS, None)
-            else:  # a server, a multiprocess LLM, an AsyncLLM: through its control
+            else:  # a server, a multiprocess LLM, an AsyncLLM, a Ray actor: through its control
                 out = self.adapter.control.generate(T.PROMPTS, MAX_TOKENS, None)
             return [tokens for tokens, _ in out]
         except Exception as e:  # noqa: BLE001 -- compared, not hidden
@@ -260,13 +279,11 @@ class Phys:
             return f"<generate raised {type(e).__name__}: {str(e)[:200]}>"
 
     def abort_left(self) -> None:
-        """A ``generate`` that raised leaves its requests in vLLM's scheduler, and the next one
-        spins on them forever (in-process): abort them, as tests/conftest.py does."""
-        if self.kind in ("inproc", "multiproc"):
-            engine = self.llm.llm_engine
-            left = list(engine.output_processor.request_states)
-            if left:
-                engine.abort_request(left, internal=True)
+        """Abort what a ``generate`` that raised left in vLLM's scheduler (`_abort_left`)."""
+        if self.kind == "ray":
+            _ray_get(self.llm.abort_left.remote())
+        elif self.kind in ("inproc", "multiproc"):
+            _abort_left(self.llm)
 
     @contextlib.contextmanager
     def count_writes(self):
@@ -292,6 +309,23 @@ class Phys:
                 for owner, names in wrapped:
                     for name in names:
                         delattr(owner, name)
+        elif self.kind == "ray":  # every actor call but the reads (its stage and attestation)
+            control = self.adapter.control
+            call = control.call
+            writes = []
+
+            def counted_call(name, *args):
+                if name not in ("generate", "score", "is_sleeping") and not (
+                    name == "rpc" and (T.reads_only(args[0]) or args[0] in (STAGE, DROP_STAGE))
+                ):
+                    writes.append(f"{name}:{args[0] if args else ''}")
+                return call(name, *args)
+
+            control.call = counted_call
+            try:
+                yield writes
+            finally:
+                delattr(control, "call")
         else:
             with T.count_writes(self.adapter) as writes:
                 yield writes
@@ -303,6 +337,67 @@ class Phys:
         if self.adapter.asleep:
             self.adapter.wake_up()
         self.abort_left()
+
+
+def _abort_left(llm: Any) -> None:
+    """A ``generate`` that raised leaves its requests in vLLM's scheduler, and the next one
+    spins on them forever (in-process): abort them, as tests/conftest.py does."""
+    engine = llm.llm_engine
+    left = list(engine.output_processor.request_states)
+    if left:
+        engine.abort_request(left, internal=True)
+
+
+def _ray_get(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=300)
+
+
+def _ray_actor_class() -> type:
+    """A Ray-based framework's rollout actor: an ``LLM`` (its engine core in the actor's
+    process) and weightsync's mixin, plus what the framework does to its ``LLM`` itself,
+    weightsync not told. Made in a function so Ray ships the class by value (its workers
+    cannot import this test module)."""
+
+    class Rollout(WeightsyncActor):
+        def __init__(self, checkpoint: str) -> None:
+            from weightsync import testing as T
+            from weightsync.engines import WORKER_EXTENSION
+
+            # the engine core in this process (`actor_llm`'s rule), whatever the raylet had:
+            # the world's multiprocess LLMs set 1 while they live
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            self.llm = T.make_llm(
+                checkpoint,
+                enable_lora=True,
+                max_lora_rank=16,
+                max_loras=1,
+                worker_extension_cls=WORKER_EXTENSION,
+            )
+            self.weightsync_attach(self.llm)
+
+        def sleep(self, level: int) -> None:
+            self.llm.sleep(level=level)
+
+        def wake_up(self, tags: list[str] | None) -> None:
+            self.llm.wake_up(tags=tags)
+
+        def is_sleeping(self) -> bool:
+            return bool(self.llm.llm_engine.is_sleeping())
+
+        def reload(self, folder: str) -> None:
+            kwargs = {"weights_path": folder, "is_checkpoint_format": True}
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+            self.llm.reset_prefix_cache()
+
+        def abort_left(self) -> None:  # as `_abort_left`, which Ray would not ship
+            engine = self.llm.llm_engine
+            left = list(engine.output_processor.request_states)
+            if left:
+                engine.abort_request(left, internal=True)
+
+    return Rollout
 
 
 def _write_garbage_checkpoint(expected: dict, folder: Path) -> str:
@@ -364,6 +459,13 @@ def world(tmp_path_factory):
         moe = VLLMMultiprocEngine(moe_llm, transport=GlooTransport(delta=True))
         stack.callback(moe.close)
         moe_garbage = _write_garbage_checkpoint(dict(moe.expected_weights), root / "moe-garbage")
+        # vLLM in a Ray actor, as Ray-based frameworks run it (one node on loopback; its
+        # processes stopped by PID at the end): bytes through the object store, with deltas.
+        stack.enter_context(ray_cluster(1))
+        actor = ray.remote(num_cpus=0, max_restarts=0)(_ray_actor_class()).remote(str(checkpoint))
+        stack.callback(ray.kill, actor)
+        ray_llm = RayVLLMEngine(actor, transport=RayObjectStoreTransport(delta=True), timeout_s=300)
+        stack.callback(ray_llm.close)
         stack.enter_context(serving(server))
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
@@ -394,6 +496,7 @@ def world(tmp_path_factory):
                 "multiproc": Phys("multiproc", "multiproc", mp, garbage_dir, llm=mp_llm),
                 "asyncllm": Phys("asyncllm", "asyncllm", al, garbage_dir, llm=async_llm, loop=loop),
                 "moe": Phys("multiproc-moe", "multiproc", moe, moe_garbage, llm=moe_llm),
+                "ray": Phys("ray-actor", "ray", ray_llm, garbage_dir, llm=actor),
                 "server": servers,
                 "group": group,
             }
@@ -430,7 +533,7 @@ class Walk:
     #: walks of FOUND found their bugs over tmpfs.
     carrier: str | None = None
     #: The engine of the multiprocess target (and the replicas' first): "multiproc" (a
-    #: ``vllm.LLM``) or "asyncllm" (an ``AsyncLLM``), or, for the multiprocess target's full
+    #: ``vllm.LLM``), "asyncllm" (an ``AsyncLLM``) or "ray" (an ``LLM`` in a Ray actor), or, for the multiprocess target's full
     #: and merged walks, "moe" (a ``vllm.LLM`` of a Qwen3-MoE, trained as one); None: by the
     #: seed's own generators. The kept walks found their bugs on the first.
     flavor: str | None = None
@@ -459,6 +562,8 @@ class Walk:
         server = e["server"][self.carrier]
         if self.flavor is None:
             self.flavor = random.Random(f"flavor-{self.seed}").choice(["multiproc", "asyncllm"])
+            if random.Random(f"actor-flavor-{self.seed}").random() < 1 / 3:
+                self.flavor = "ray"
             if (
                 self.target == "multiproc"
                 and self.setup != "served"
@@ -874,7 +979,7 @@ class Walk:
         transport = engine.transport
         streamed = transport.name in ("gloo", "weight-transfer:gloo")
         kinds = ["trainer", "forged"]
-        if not streamed and getattr(transport, "_kept", None) is None:
+        if transport.name != "ray" and not streamed and getattr(transport, "_kept", None) is None:
             # the weight-transfer API's files are forged in tests/test_weight_transfer_vllm.py
             kinds = ["trainer"]
         kind = self.fault_rng.choice(kinds)
@@ -903,6 +1008,25 @@ class Walk:
 
             gloo.broadcast = corrupting
             stack.callback(setattr, gloo, "broadcast", send)
+            transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
+        elif kind == "forged" and transport.name == "ray":
+            put = ray_engine._put
+            pieces: list[int] = []
+
+            def forging(channel, entry):
+                if isinstance(entry[1], ray.ObjectRef):  # a piece: (kind, its payload, tag)
+                    pieces.append(1)
+                    if len(pieces) == at + 1:
+                        # another writer of the object store: the payload the channel names
+                        # is a copy with one byte changed, the trainer's tag unchanged
+                        parts = [p.copy() for p in ray.get(entry[1])]
+                        parts[-1][-1] ^= 0x55
+                        entry = (entry[0], ray.put(parts), entry[2])
+                        fired.append(at)
+                put(channel, entry)
+
+            ray_engine._put = forging
+            stack.callback(setattr, ray_engine, "_put", put)
             transport.prepare = lambda rpc, buckets: prepare(rpc, tensors(buckets))
         elif kind == "forged":  # tmpfs: a sealed file changed after its tag, before the stage
             files = transport._kept
