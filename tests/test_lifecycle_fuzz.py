@@ -1,7 +1,9 @@
 """A lifecycle fuzzer: seeded random walks of training steps, sleeps and syncs against real
 vLLM engines, checking weightsync's promise after EVERY sync:
 
-    after a sync the engine's greedy tokens equal the trainer's (float32 logprobs within 1e-3),
+    after a sync the engine's greedy tokens equal the trainer's (float32 logprobs within 1e-3
+    of its forward, or, for a LoRA trainer, of its forward with the adapter merged: the two
+    differ by float32 rounding, `Walk.matches_merged`),
     or a ``WeightSyncError`` was raised with zero engine writes and the engine still generates
     exactly what it generated before the call.
 
@@ -85,6 +87,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import random
 import shutil
@@ -1194,12 +1197,37 @@ class Walk:
                 self.fail(
                     f"after the sync, comparing {p.name} with the trainer raised {type(e).__name__}: {e}"
                 )
+            if (
+                self.lora
+                and result["engine"] == result["trainer"]
+                and not result["max_logprob_diff"] <= ATOL
+                and self.matches_merged(p, result["max_logprob_diff"])
+            ):
+                continue
             if result["engine"] != result["trainer"] or not result["max_logprob_diff"] <= ATOL:
                 self.fail(
                     f"after the sync {p.name} does not serve the trainer's model: engine tokens "
                     f"{result['engine']} != trainer tokens {result['trainer']} or max logprob diff "
                     f"{result['max_logprob_diff']:.4g} > {ATOL}"
                 )
+
+    def matches_merged(self, p: Phys, diff: float) -> bool:
+        """Whether ``p`` generates what the trainer's model does with its adapter merged into
+        a copy of it, tokens and logprobs within ``ATOL``. Float32 rounding alone can set the
+        trainer's unmerged forward and its own merged one about ``ATOL`` apart (seed 2615, an
+        adapter grown by many steps: 1.02e-3 between the two, the engine's merged weights
+        within 2e-5 of the merged copy): both are the trainer's model, and a wrong weight
+        misses both."""
+        merged = copy.deepcopy(self.model)
+        merged.merge_adapter()  # a model merged in place already: peft leaves it as it is
+        again = T.compare(merged, p.adapter, max_tokens=MAX_TOKENS)
+        if again["engine"] != again["trainer"] or not again["max_logprob_diff"] <= ATOL:
+            return False
+        self.log(
+            f"       {p.name}: logprobs {diff:.4g} from the trainer's unmerged forward, "
+            f"{again['max_logprob_diff']:.3g} from its merged one (float32 rounding of the merge)"
+        )
+        return True
 
     def rules(self) -> list[tuple[Any, int]]:
         rules = [
@@ -1302,6 +1330,14 @@ FOUND_FAULTS = [
         "replicas/served: an adapter whose gloo frame was refused before any load (nothing "
         "reached the engine) marked the engine's base lost, so weightsync stopped naming the "
         "adapter the engine still served",
+    ),
+    (
+        2615,
+        15,
+        True,
+        None,  # the seed's own carrier: tmpfs
+        "replicas/served: this file's check failed two exact engines by 1.03e-3 in logprob: "
+        "float32 rounding set the trainer's unmerged forward 1.02e-3 from its own merged one",
     ),
     (
         1367,
