@@ -11,6 +11,7 @@ Two servers on one tiny model, with weightsync's worker extension and middleware
   while the other replica had staged everything;
 - a stage that succeeded and that another client drops before the commit
   (``weightsync_drop_staged``): one replica commits and the other refuses;
+- two trainers staging into one server: each commit and drop touches only its own stage;
 - a worker error while applying: a bucket holding a name the model lacks reaches vLLM's loader
   after the embeddings and layer 0's attention were written (``conftest.bad_stream``, through
   files in a folder, which the workers check and load inside the commit: sealed files are
@@ -35,7 +36,7 @@ from weightsync import testing as T
 from weightsync.engines import HTTPControl, Replicas, TmpfsTransport, VLLMServerEngine
 from weightsync.engines.contract import Staged
 from weightsync.engines.vllm.server_lease import FENCED_HEADER
-from weightsync.errors import EngineFencedError, ReplicasSplitError
+from weightsync.errors import EngineFencedError, ReplicasSplitError, StageLostError
 from weightsync.wire.files import bucket_name
 from weightsync.wire.scratch import private_dir
 
@@ -157,7 +158,7 @@ def test_a_commit_failing_on_one_replica_names_what_each_holds(servers):
         version = fleet.engines[0].weights_version
         assert "replica(s) [1] after replica(s) [0] committed" in said, said
         assert f"replica 0: committed, serves the new weights (version {version!r})" in said
-        assert "replica 1: its commit failed (" in said and "nothing is staged" in said, said
+        assert "replica 1: its commit failed (" in said and "no longer held" in said, said
         assert client_tokens(servers[0].url) == trainer_tokens(new)
         assert client_tokens(servers[1].url) == trainer_tokens(old)  # refused whole: no mix
 
@@ -166,6 +167,41 @@ def test_a_commit_failing_on_one_replica_names_what_each_holds(servers):
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_commit_or_a_drop_touches_only_its_own_stage(servers):
+    """Two trainers sync one server (sealed files): its workers hold one stage at a time, and
+    every commit and drop names its own. A's stage replaced by B's: A's commit is refused
+    (`StageLostError`), nothing loaded -- before, it loaded B's weights and A recorded its
+    own -- and B's commit loads B's. A trainer failing part-way through writing its files
+    while B's stage is held drops nothing of B's -- before, its drop took B's stage, and B's
+    commit failed in the pause (a Ray actor's stage of a killed trainer failing after a live
+    trainer staged, `tests/test_ray_vllm.py` kill seed 32)."""
+    url = servers[0].url
+    old, a_model, b_model, c_model = model(65), model(66), model(67), model(68)
+    a, b = VLLMServerEngine(url), VLLMServerEngine(url)
+    try:
+        FullSync(skip_unchanged=False).sync(old, a)
+        stage_a = a.stage_weights(one_per_bucket(a_model, a))
+        stage_b = b.stage_weights(one_per_bucket(b_model, b))
+        with pytest.raises(StageLostError, match="no longer held"):
+            stage_a.apply()
+        stage_a.drop()
+        assert client_tokens(url) == trainer_tokens(old)  # neither A's nor B's loaded
+        stage_b.apply()
+        stage_b.drop()
+        assert client_tokens(url) == trainer_tokens(b_model)
+
+        stage_b = b.stage_weights(one_per_bucket(c_model, b))
+        with pytest.raises(RuntimeError, match="injected: the trainer failed"):
+            a.stage_weights(bad_stream(a_model, a, "trainer"))
+        stage_b.apply()
+        stage_b.drop()
+        assert client_tokens(url) == trainer_tokens(c_model)
+        assert staged_bytes(url) == 0
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_write_failing_part_way_fences_the_server(servers, tmp_path):

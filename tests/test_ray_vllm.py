@@ -569,7 +569,7 @@ def test_a_commit_is_one_actor_call_that_resumes_by_itself_when_its_write_fails(
         made: list[str] = []
         call = engine.control.call
         engine.control.call = lambda name, *args: made.append(name) or call(name, *args)
-        with pytest.raises(RuntimeError, match="nothing is staged"):
+        with pytest.raises(RuntimeError, match="no longer held by this worker"):
             staged.apply()
         # One call for the whole commit and its recovery; after it, the trainer's own label of
         # its lost base (`mark_lost`), nothing of the pause.

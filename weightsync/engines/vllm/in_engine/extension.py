@@ -32,6 +32,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ....errors import StageLostError
 from ....wire import format as fmt
 from ....wire import gloo, scratch
 from ....wire.delta import LoadedCopies
@@ -65,6 +66,8 @@ class WeightsyncWorker:
     _weightsync_copies: LoadedCopies | None = None
     _weightsync_stage: Held | None = None
     _weightsync_stage_delta: str = ""
+    #: The id of the held stage, its trainer's (one per prepare; "": none given).
+    _weightsync_stage_id: str = ""
 
     def _weightsync_outcome(self, error: BaseException | None = None, value: Any = None) -> dict:
         if error is not None:
@@ -127,7 +130,12 @@ class WeightsyncWorker:
         return self._weightsync_reload(stream)
 
     def weightsync_stage_files(
-        self, files: list[str], key: str = "", tags: list[str] | None = None, keep: bool = True
+        self,
+        files: list[str],
+        key: str = "",
+        tags: list[str] | None = None,
+        keep: bool = True,
+        stage: str = "",
     ) -> dict:
         """Stage the trainer's sealed bucket files (tmpfs transport, ``wire.files``) while the
         engine serves: map each (``/proc/<trainer>/fd/<n>``; one that is not sealed is refused),
@@ -136,7 +144,8 @@ class WeightsyncWorker:
         seals leave the trainer's own mapping as the files' only writer, so what is checked
         here is what the commit loads. ``keep``: keep the mappings for the next sync's files
         (dropped if the stage expires: its trainer is likely gone); else they go with the
-        stage. The value is how many files were staged."""
+        stage. ``stage``: its id, which its commit and drop name (`_weightsync_other_stage`).
+        The value is how many files were staged."""
         self._weightsync_drop_stage()
         try:
             expire_s = stage_expiry_s()
@@ -150,9 +159,9 @@ class WeightsyncWorker:
             if self._weightsync_sealed is not None:
                 self._weightsync_sealed.forget()  # the trainer lets these files go
             return self._weightsync_outcome(e)
-        stage = Held(expire_s, on_expire=mapped.forget)
-        stage.hold(pairs, len(files))
-        self._weightsync_stage = stage
+        held = Held(expire_s, on_expire=mapped.forget)
+        held.hold(pairs, len(files))
+        self._weightsync_stage, self._weightsync_stage_id = held, stage
         return self._weightsync_outcome(value=len(files))
 
     def weightsync_open_sealed(
@@ -254,14 +263,14 @@ class WeightsyncWorker:
         return outcome.to_json()
 
     def weightsync_stage_gloo(
-        self, key: str = "", delta: str = "", max_bytes: int | None = None
+        self, key: str = "", delta: str = "", max_bytes: int | None = None, stage: str = ""
     ) -> dict:
         """Start receiving the trainer's next gloo stream in a thread (`gloo.Staging`) and
         return at once: the engine keeps generating while the bytes travel, and nothing is
         loaded until `weightsync_commit_staged`. A stage not yet committed is dropped; one that
         ended and that no commit claims expires (``WEIGHTSYNC_STAGE_EXPIRY_S``, `gloo.Staging`).
         ``key`` and ``delta`` as for `weightsync_receive_gloo`; ``max_bytes``: the most this
-        worker may stage."""
+        worker may stage; ``stage``: its id (`_weightsync_other_stage`)."""
         if self._weightsync_group is None:
             return self._weightsync_outcome(RuntimeError("no gloo group: join it first"))
         self._weightsync_drop_stage()
@@ -277,47 +286,57 @@ class WeightsyncWorker:
         self._weightsync_stage = gloo.Staging(
             self._weightsync_group, key, copies, max_bytes=max_bytes, expire_s=expire_s
         )
+        self._weightsync_stage_id = stage
         return self._weightsync_outcome()
 
-    def weightsync_staged(self, timeout_s: float) -> dict:
+    def weightsync_staged(self, timeout_s: float, stage: str = "") -> dict:
         """Wait for the staged stream's END (checked), then check that this engine loads every
         staged tensor (`check_loadable`); the value is how many buckets it held. A stage that
         failed is dropped and its error returned: nothing was loaded."""
-        stage = self._weightsync_stage
-        if not isinstance(stage, gloo.Staging):
+        if (other := self._weightsync_other_stage(stage)) is not None:
+            return self._weightsync_outcome(other)
+        held = self._weightsync_stage
+        if not isinstance(held, gloo.Staging):
             return self._weightsync_outcome(RuntimeError("no gloo stream is staged"))
         try:
-            pairs = stage.wait(float(timeout_s))
+            pairs = held.wait(float(timeout_s))
             check_loadable(pairs, self._weightsync_known_facts().weights)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
             self._weightsync_drop_stage()
             return self._weightsync_outcome(e)
-        return self._weightsync_outcome(value=stage.buckets)
+        return self._weightsync_outcome(value=held.buckets)
 
-    def weightsync_commit_staged(self) -> dict:
+    def weightsync_commit_staged(self, stage: str = "") -> dict:
         """Load the staged stream (checked whole by `weightsync_staged`) and let it go. Claimed
         on every worker or on none (`model_ops.claim_staged`): a stage that expired unclaimed
         on any worker (``WEIGHTSYNC_STAGE_EXPIRY_S``) refuses the commit with
-        `StageExpiredError`, nothing loaded."""
-        stage = self._weightsync_stage
-        try:
-            pairs = model_ops.claim_staged(stage)
+        `StageExpiredError`, nothing loaded. ``stage``: the id of the stage this commit loads;
+        another sync's stage held instead is left as it is and the commit refused
+        (`StageLostError`), nothing loaded."""
+        other = self._weightsync_other_stage(stage)
+        held = self._weightsync_stage
+        try:  # every worker votes, also one whose stage is another sync's
+            pairs = model_ops.claim_staged(held, refusal=other)
         except Exception as e:  # noqa: BLE001 (returned to the trainer)
-            self._weightsync_drop_stage()
+            if other is None:  # this commit's own stage, refused: let it go
+                self._weightsync_drop_stage()
             return self._weightsync_outcome(e)
-        assert stage is not None  # claimed
+        assert held is not None  # claimed
         outcome = model_ops.reload(self, iter(pairs))
         copies = self._weightsync_copies if self._weightsync_stage_delta else None
         if copies is not None and outcome.ok:
-            copies.commit(self._weightsync_stage_delta, stage.buckets)
+            copies.commit(self._weightsync_stage_delta, held.buckets)
             self._weightsync_stage_delta = ""
         self._weightsync_drop_stage()
         free_later(pairs)  # out of the pause
         return outcome.to_json()
 
-    def weightsync_drop_staged(self) -> dict:
+    def weightsync_drop_staged(self, stage: str = "") -> dict:
         """Drop what is staged, uncommitted (the trainer's sync failed before its commit), and
-        the mappings of sealed files (the trainer lets those go: its next files are fresh)."""
+        the mappings of sealed files (the trainer lets those go: its next files are fresh).
+        ``stage``: drop only the stage of that id; another sync's is left as it is."""
+        if self._weightsync_other_stage(stage) is not None:
+            return self._weightsync_outcome()
         self._weightsync_drop_stage()
         if self._weightsync_sealed is not None:
             self._weightsync_sealed.forget()
@@ -333,10 +352,25 @@ class WeightsyncWorker:
             held += engine.staged_bytes()
         return self._weightsync_outcome(value=held)
 
+    def _weightsync_other_stage(self, stage: str) -> StageLostError | None:
+        """Why a call naming the stage ``stage`` must leave the held stage alone: it is another
+        sync's, or none is held (None: it is this one's, or the call named none). One stage is
+        held at a time, and each names its trainer's id, so a trainer whose stage another
+        replaced, or that died half-way while another staged, commits or drops nothing of the
+        other's (a Ray actor's stage of a dead trainer failing after a live trainer staged:
+        tests/test_ray_vllm.py, kill seed 32)."""
+        if not stage or (self._weightsync_stage is not None and stage == self._weightsync_stage_id):
+            return None
+        return StageLostError(
+            f"the stage {stage} is no longer held by this worker: another sync's stage replaced "
+            "it, or it was dropped or expired. Nothing of it was loaded; sync again"
+        )
+
     def _weightsync_drop_stage(self) -> None:
         if self._weightsync_stage is not None:
             self._weightsync_stage.drop()
             self._weightsync_stage = None
+        self._weightsync_stage_id = ""
         if self._weightsync_stage_delta and self._weightsync_copies is not None:
             self._weightsync_copies.clear()  # patched by an uncommitted stream: the next is full
         self._weightsync_stage_delta = ""

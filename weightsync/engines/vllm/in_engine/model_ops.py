@@ -200,14 +200,17 @@ def check_loadable(
             )
 
 
-def claim_staged(stage: Held | None) -> list[tuple[str, torch.Tensor]]:
+def claim_staged(
+    stage: Held | None, refusal: BaseException | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """The pairs ``stage`` holds, claimed for the commit that loads them (`Held.claim`:
     they no longer expire) -- on every worker of the engine or on none. Each worker's stage
     expires by its own clock (``WEIGHTSYNC_STAGE_EXPIRY_S``), so a commit that comes as they
     expire could find one TP rank's stage claimed and another's dropped: loaded, that would be
     a mix across ranks. Every worker claims, then all vote (`every_worker`); one refusal
     refuses the commit everywhere. Every worker of the engine must call this, whatever it
-    holds (a ``collective_rpc`` method runs on all): ``stage`` None votes no.
+    holds (a ``collective_rpc`` method runs on all): ``stage`` None votes no, as does a
+    ``refusal`` (this worker's reason, raised here: the commit named another stage).
 
     Raises:
         StageExpiredError: this worker's stage, or another worker's, expired.
@@ -216,6 +219,8 @@ def claim_staged(stage: Held | None) -> list[tuple[str, torch.Tensor]]:
     pairs: list[tuple[str, torch.Tensor]] = []
     error: BaseException | None = None
     try:
+        if refusal is not None:
+            raise refusal
         if stage is None:
             raise RuntimeError("nothing is staged")
         pairs = stage.claim()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -144,7 +145,8 @@ class GlooTransport(Transport):
             raise RuntimeError("GlooTransport.prepare before connect")
         signer = signer_for(self.tagged)
         copies = self._copies
-        kwargs = proof_args(signer) | {"max_bytes": self.max_stage_bytes}
+        stage = {"stage": secrets.token_hex(8)}  # named by its check, commit and drop
+        kwargs = proof_args(signer) | {"max_bytes": self.max_stage_bytes} | stage
         if copies is not None:  # deltas only onto the copies the last successful sync left
             reported = [o.value for o in rpc("weightsync_delta_state", {})]
             kwargs["delta"] = copies.begin(reported)
@@ -162,18 +164,18 @@ class GlooTransport(Transport):
             if copies is not None:
                 copies.reset()
             try:
-                rpc("weightsync_drop_staged", {})
+                rpc("weightsync_drop_staged", stage)
             except Exception:
                 logger.warning("weightsync: weightsync_drop_staged failed", exc_info=True)
 
         try:
             rpc("weightsync_stage_gloo", kwargs)
             gloo.send(self.link.group, buckets, None, send_one, signer)
-            rpc("weightsync_staged", {"timeout_s": self.link.timeout_s})
+            rpc("weightsync_staged", {"timeout_s": self.link.timeout_s} | stage)
         except BaseException:
             drop()
             raise
-        return StagedCalls(rpc, [("weightsync_commit_staged", {})], drop, applied=applied)
+        return StagedCalls(rpc, [("weightsync_commit_staged", stage)], drop, applied=applied)
 
     def put_adapter(
         self,

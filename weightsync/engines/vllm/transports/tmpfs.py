@@ -6,6 +6,7 @@ folder instead, checked inside the commit."""
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -145,6 +146,7 @@ class TmpfsTransport(Transport):
             )
         files = self._kept if self._kept is not None else KeptFiles()
         committed: list[bool] = []
+        stage = {"stage": secrets.token_hex(8)}  # named by its commit and drop: `_other_stage`
 
         def release() -> None:
             files.close()
@@ -155,7 +157,7 @@ class TmpfsTransport(Transport):
             self._staged = False
             if not committed:
                 try:
-                    rpc("weightsync_drop_staged", {})
+                    rpc("weightsync_drop_staged", stage)
                 except Exception:
                     logger.warning("weightsync: weightsync_drop_staged failed", exc_info=True)
             if not committed or not self.keep:
@@ -164,13 +166,14 @@ class TmpfsTransport(Transport):
         try:
             written = files.write(buckets, around=_serializing, signer=signer)
             self._staged = True
-            kwargs = {"files": written.names, "keep": self.keep} | proof_args(signer, written.tags)
+            kwargs = {"files": written.names, "keep": self.keep} | stage
+            kwargs |= proof_args(signer, written.tags)
             # raised here whatever ``rpc`` does with failures (a Ray actor's hop returns them)
             raise_failures(STAGE, rpc(STAGE, kwargs))
         except BaseException:
             drop()
             raise
-        return StagedCalls(rpc, [(COMMIT, {})], drop, applied=lambda: committed.append(True))
+        return StagedCalls(rpc, [(COMMIT, stage)], drop, applied=lambda: committed.append(True))
 
     def stage(
         self, buckets: Iterable[Bucket], *, aliases: bool = True, signer: Signer | None = None
